@@ -1,0 +1,63 @@
+"""Engine arguments (vLLM's names where they exist), validated when the engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    block_size: int | None = None
+    num_cache_tokens: int | None = None
+    kv_cache_memory_gb: float = 4.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in _DEVICES and not str(self.device).startswith(("cuda:", "npu:")):
+            raise ValueError(f"device must be one of {_DEVICES} (or cuda:N / npu:N), got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "block_size", "num_cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, engine_args: dict) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known - {'model'})}")
+        return cls(model=model, **engine_args)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """``auto`` keeps the checkpoint's dtype (its ``torch_dtype``)."""
+        return checkpoint_dtype if self.dtype == "auto" else _DTYPES[self.dtype]
+
+    def torch_device(self, accelerator: str) -> torch.device:
+        if self.device != "auto":
+            return torch.device(self.device)
+        if accelerator in ("nvidia", "auto") and torch.cuda.is_available():
+            return torch.device("cuda")
+        if accelerator == "nvidia":
+            raise RuntimeError("DEEPINFER_ACCELERATOR=nvidia but torch sees no CUDA device")
+        return torch.device("cpu")

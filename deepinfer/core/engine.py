@@ -1,0 +1,154 @@
+"""The engine: builds the model and caches from plugins, then steps the scheduler."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from deepinfer import envs
+from deepinfer.core.block_manager import BlockManager
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.forward_batch import ForwardBatchBuilder
+from deepinfer.core.kv_cache import KVCache, bytes_per_block
+from deepinfer.core.model_source import resolve_model_dir
+from deepinfer.core.output_processor import OutputProcessor
+from deepinfer.core.request import Request
+from deepinfer.core.sampling_batch import build_sampling_batch
+from deepinfer.core.scheduler import Scheduler, SchedulerLimits
+from deepinfer.core.tokenizer import load_tokenizer
+from deepinfer.core.weights import load_state_dict
+from deepinfer.logger import init_logger
+from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
+from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
+
+logger = init_logger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        load_plugins()
+        call_all("deepinfer_configure_engine", config=config)
+        env = envs.get()
+        model_dir = resolve_model_dir(config.model)
+        self.model_config = DeepseekV4ModelConfig.from_dir(model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        self.device = config.torch_device(env.DEEPINFER_ACCELERATOR)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with enable_chunked_prefill=False, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        torch.manual_seed(config.seed)
+        if self.device.type == "cpu" and torch.set_flush_denormal(True):
+            # Subnormal floats (from sinks, softmax tails, Sinkhorn) make CPU kernels ~100x
+            # slower; flushing them to zero changes nothing above 1e-38. Process-wide.
+            logger.info("CPU: flushing denormal floats to zero")
+
+        attention, _ = select_backend("deepinfer_attention_backend", config=config, device=self.device)
+        moe, _ = select_backend("deepinfer_moe_backend", config=config, device=self.device)
+        self.sampler, _ = select_backend("deepinfer_sampler", config=config, device=self.device)
+        dtype = config.torch_dtype(self.model_config.dtype)
+        start = time.perf_counter()
+        self.model = DeepseekV4ForCausalLM(self.model_config, attention, moe, dtype)
+        self.model.load_tensors(load_state_dict(model_dir, self.model.expected_tensors()))
+        self.model.to(self.device)
+        logger.info("loaded %s (%s, %s) in %.1f s", model_dir, dtype, self.device, time.perf_counter() - start)
+        self._refuse_unsupported_features()
+        self._build_caches()
+        self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
+
+    def _refuse_unsupported_features(self) -> None:
+        """A plugin's offer this engine cannot honour is an error, never silently dropped."""
+        truncation = select_optional_backend(
+            "deepinfer_prefill_truncation", config=self.config, model_config=self.model_config
+        )
+        if truncation is not None:
+            raise ValueError(
+                f"plugin {truncation[1]} offers prefill truncation, but DeepSeek-V4 has no window-only "
+                "decoder layers to truncate (SWA bounded replay applies to DeepSeek-V4.1)"
+            )
+        drafter = select_optional_backend("deepinfer_drafter", config=self.config, model=self.model)
+        if drafter is not None:
+            raise NotImplementedError(
+                f"plugin {drafter[1]} offers speculative drafts, but the engine's verification step "
+                "(features/mtp) is not built yet; uninstall it or exclude it with DEEPINFER_PLUGINS"
+            )
+
+    def _build_caches(self) -> None:
+        c, mc = self.config, self.model_config
+        kinds = self.model.cache_kinds()
+        ratios = [r for r in set(mc.compress_ratios) if r]
+        lcm = math.lcm(*ratios) if ratios else 1
+        block_size = c.block_size or lcm * max(1, 64 // lcm)
+        if block_size % lcm:
+            raise ValueError(f"block_size ({block_size}) must be a multiple of every compression ratio {sorted(ratios)}")
+        per_block = {k.name: bytes_per_block(k, block_size) for k in kinds}
+        full = [k for k in kinds if k.keep_all]
+        tokens = c.num_cache_tokens
+        if tokens is None:
+            budget = c.kv_cache_memory_gb * 2**30
+            tokens = int(budget // max(1, sum(per_block[k.name] for k in full)) * block_size)
+            tokens = min(tokens, c.max_num_seqs * self.max_model_len)
+        blocks = {}
+        for kind in kinds:
+            if kind.keep_all:
+                blocks[kind.name] = -(-tokens // block_size)
+            else:
+                # every running request keeps its look-back plus the block being written;
+                # the step's new tokens may add blocks on top of that
+                reach = -(-(kind.back + kind.align) // block_size) + 1
+                blocks[kind.name] = c.max_num_seqs * reach + -(-c.max_num_batched_tokens // block_size) + c.max_num_seqs
+        self.block_size = block_size
+        self.cache = KVCache(kinds, blocks, block_size, self.device)
+        self.blocks = BlockManager(kinds, blocks, block_size, c.enable_prefix_caching)
+        limits = SchedulerLimits(c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill)
+        self.scheduler = Scheduler(limits, self.blocks)
+        overlaps = {r: 2 if r == mc.csa_ratio else 1 for r in ratios}
+        rows = {k.name: self.cache.rows_per_block(k.name) for k in kinds}
+        self.batch_builder = ForwardBatchBuilder(mc.window, overlaps, block_size, rows, self.device)
+        logger.info("cache: %d tokens of full-context state, block size %d, %.1f MiB", tokens, block_size, self.cache.nbytes() / 2**20)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if len(request.prompt_token_ids) == 0:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if len(request.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt has {len(request.prompt_token_ids)} tokens, "
+                f"max_model_len is {self.max_model_len}"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request.request_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self.outputs.start(request)
+        self.scheduler.add(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one forward pass; returns the requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        batch = self.batch_builder.build(scheduled)
+        streams = self.model(batch, self.cache)
+        sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
+        self.scheduler.step_done(scheduled)
+        if not sampling_requests:
+            return []
+        logits = self.model.compute_logits(streams[batch.logits_rows])
+        sampling = build_sampling_batch(sampling_requests, self.model_config.vocab_size, self.device)
+        sampled = self.sampler.sample(logits, sampling)
+        finished = self.outputs.append(sampling_requests, sampled)
+        for request in finished:
+            self.scheduler.finish(request)
+        return finished

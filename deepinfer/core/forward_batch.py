@@ -1,0 +1,115 @@
+"""Per-step tensors that tell the model where each token's state lives in the paged caches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class CompressedMeta:
+    """Slots for one compression ratio ``r`` (every layer with that ratio shares them).
+
+    ``state_slots``: where each token's compressor row (kv | score) is written.
+    ``candidates``: compressed-entry slots each token may attend to (entries ``w < (p+1)//r``), -1 padded.
+    ``close_rows``: for every window closing in this step, the state slots it pools
+    (``coff * r`` rows; -1 where the window would start before position 0).
+    ``close_slots``/``close_positions``: where the new entry goes and its RoPE position ``w*r``.
+    """
+
+    ratio: int
+    overlap: int
+    state_slots: torch.Tensor
+    candidates: torch.Tensor
+    close_rows: torch.Tensor
+    close_slots: torch.Tensor
+    close_positions: torch.Tensor
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    swa_slots: torch.Tensor  # [T] slot of each token's raw KV row
+    window: torch.Tensor  # [T, W] raw KV slots each token attends to, -1 padded
+    logits_rows: torch.Tensor  # [B] token rows whose next-token logits are needed
+    compressed: dict[int, CompressedMeta] = field(default_factory=dict)
+
+    def to(self, device) -> "ForwardBatch":
+        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in _TENSOR_FIELDS}
+        compressed = {r: CompressedMeta(m.ratio, m.overlap, *(getattr(m, f).to(device, non_blocking=True) for f in _META_FIELDS)) for r, m in self.compressed.items()}
+        return ForwardBatch(**moved, compressed=compressed)
+
+
+_TENSOR_FIELDS = ("token_ids", "positions", "swa_slots", "window", "logits_rows")
+_META_FIELDS = ("state_slots", "candidates", "close_rows", "close_slots", "close_positions")
+
+
+class ForwardBatchBuilder:
+    """Turns the scheduled (request, first position, token count) triples into slot tensors."""
+
+    def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device):
+        self.window = window
+        self.ratios = ratios  # compression ratio -> overlap (2 for CSA, 1 for HCA)
+        self.block_size = block_size
+        self.rows_per_block = rows_per_block
+        self.device = device
+
+    def _tables(self, requests, kind: str) -> torch.Tensor:
+        width = max(len(r.tables.get(kind, ())) for r in requests)
+        table = torch.full((len(requests), max(width, 1)), -1, dtype=torch.int64)
+        for i, request in enumerate(requests):
+            blocks = request.tables.get(kind, ())
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        return table
+
+    def _slots(self, table: torch.Tensor, kind: str, owner: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Row slot of ``positions`` (any shape, paired with ``owner``); -1 for positions < 0."""
+        valid = positions >= 0
+        pos = positions.clamp(min=0)
+        block = table[owner, (pos // self.block_size).clamp(max=table.shape[1] - 1)]
+        rows = self.rows_per_block[kind]
+        slot = block * rows + (pos % self.block_size) // (self.block_size // rows)
+        return torch.where(valid & (block >= 0), slot, -1)
+
+    def build(self, scheduled: list[tuple[object, int, int]]) -> ForwardBatch:
+        requests = [r for r, _, _ in scheduled]
+        positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
+        owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
+        token_ids = torch.tensor([t for r, start, n in scheduled for t in r.token_ids[start : start + n]])
+        last_rows = torch.cumsum(torch.tensor([n for _, _, n in scheduled]), 0) - 1
+        wants_logits = torch.tensor([start + n == len(r.token_ids) for r, start, n in scheduled])
+
+        swa = self._tables(requests, "swa")
+        window_pos = positions.unsqueeze(1) - self.window + 1 + torch.arange(self.window)
+        batch = ForwardBatch(
+            token_ids=token_ids,
+            positions=positions,
+            swa_slots=self._slots(swa, "swa", owner, positions),
+            window=self._slots(swa, "swa", owner.unsqueeze(1), window_pos),
+            logits_rows=last_rows[wants_logits],
+        )
+        for ratio, overlap in self.ratios.items():
+            batch.compressed[ratio] = self._compressed(requests, owner, positions, ratio, overlap)
+        return batch.to(self.device) if self.device is not None else batch
+
+    def _compressed(self, requests, owner, positions, ratio: int, overlap: int) -> CompressedMeta:
+        comp_kind, state_kind = f"comp{ratio}", f"state{ratio}"
+        comp, state = self._tables(requests, comp_kind), self._tables(requests, state_kind)
+        visible = (positions + 1) // ratio
+        entries = torch.arange(int(visible.max()))
+        entry_pos = torch.where(entries < visible.unsqueeze(1), entries * ratio, -1)
+        closing = (positions + 1) % ratio == 0
+        window_ids = visible[closing] - 1
+        close_owner = owner[closing]
+        row_pos = (window_ids - overlap + 1).unsqueeze(1) * ratio + torch.arange(overlap * ratio)
+        return CompressedMeta(
+            ratio=ratio,
+            overlap=overlap,
+            state_slots=self._slots(state, state_kind, owner, positions),
+            candidates=self._slots(comp, comp_kind, owner.unsqueeze(1), entry_pos),
+            close_rows=self._slots(state, state_kind, close_owner.unsqueeze(1), row_pos),
+            close_slots=self._slots(comp, comp_kind, close_owner, window_ids * ratio),
+            close_positions=window_ids * ratio,
+        )

@@ -1,0 +1,79 @@
+"""After sampling: append tokens, detokenize, record logprobs, and decide who stops and why."""
+
+from __future__ import annotations
+
+import time
+
+from deepinfer.core.request import Request
+from deepinfer.core.tokenizer import IncrementalDetokenizer
+from deepinfer.outputs import Logprob
+from deepinfer.plugins.interfaces import SamplerOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def start(self, request: Request) -> None:
+        params = request.params
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            stop=params.stop or (),
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+
+    def append(self, requests: list[Request], sampled: SamplerOutput) -> list[Request]:
+        token_ids = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist()
+        top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
+        top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        now = time.monotonic()
+        finished = []
+        for row, request in enumerate(requests):
+            token = token_ids[row]
+            request.token_ids.append(token)
+            request.cumulative_logprob += logprobs[row]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if request.logprobs is not None:
+                request.logprobs.append(self._logprobs(request, token, logprobs[row], top_ids, top_values, row))
+            if self._check_stop(request, token):
+                request.metrics.finished_time = now
+                request.metrics.num_generated_tokens = request.num_output_tokens
+                finished.append(request)
+        return finished
+
+    def _logprobs(self, request, token, logprob, top_ids, top_values, row) -> dict[int, Logprob]:
+        wanted = request.params.logprobs
+        ids = top_ids[row][: len(top_ids[row]) if wanted == -1 else wanted] if top_ids else []
+        values = top_values[row][: len(ids)] if top_values else []
+        entry = {tid: Logprob(value, rank + 1, self.tokenizer.decode([tid])) for rank, (tid, value) in enumerate(zip(ids, values))}
+        if token not in entry:
+            entry[token] = Logprob(logprob, None, self.tokenizer.decode([token]))
+        return entry
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        """Sets ``finish_reason``/``stop_reason`` and returns True when the request is done."""
+        params = request.params
+        # min_tokens is enforced by the sampler, which cannot pick EOS or a stop token before it.
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return self._finish(request, "stop", None)
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return self._finish(request, "stop", token)
+        step = request.detokenizer.update([token])
+        request.text += step.text_delta
+        if step.stop_string is not None:
+            return self._finish(request, "stop", step.stop_string, detokenized=True)
+        if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
+            return self._finish(request, "length", None)
+        return False
+
+    def _finish(self, request: Request, reason: str, stop_reason, detokenized: bool = False) -> bool:
+        if not detokenized:
+            request.text += request.detokenizer.finish().text_delta
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        return True

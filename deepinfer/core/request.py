@@ -1,0 +1,65 @@
+"""One sequence being generated: its tokens, progress, cache blocks and output bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deepinfer.outputs import Logprob, RequestMetrics
+from deepinfer.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """``token_ids`` is prompt + generated tokens; the first ``num_computed`` are in the caches."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    block_hashes: list[bytes] = field(default_factory=list)
+    detokenizer: object = None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    metrics: RequestMetrics = None
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=time.monotonic())
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,146 @@
+"""The offline Python API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine import LLMEngine
+from deepinfer.core.request import Request
+from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.plugins.manager import select_optional_backend
+from deepinfer.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Loads a DeepSeek-V4-family checkpoint and generates text from it.
+
+    ``model`` is a local directory or a Hugging Face repo id (``DEEPINFER_HF_MODEL_DIR``
+    overrides both). Other keyword arguments are engine arguments, see ``EngineConfig``.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        if any(p.so_args is not None for p in params):
+            self._check_structured_outputs()
+        groups = [self._submit(prompt, p) for prompt, p in zip(prompt_list, params)]
+        self._run(groups, use_tqdm)
+        return [self._request_output(group) for group in groups]
+
+    def _check_structured_outputs(self) -> None:
+        found = select_optional_backend("deepinfer_logits_processor", config=self.engine.config, tokenizer=self.tokenizer)
+        if found is None:
+            raise ValueError(
+                "so_args needs the structured-outputs plugin: install features/structured_outputs "
+                "(distribution deepinfer-structured-outputs)"
+            )
+        raise NotImplementedError(
+            f"plugin {found[1]} offers structured outputs, but the engine does not apply grammar masks "
+            "yet (features/structured_outputs); so_args would be ignored, so the request is refused"
+        )
+
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        request_id = str(self._next_id)
+        self._next_id += 1
+        group = []
+        for sample in range(params.n):
+            request = Request(
+                request_id=request_id,
+                prompt_index=int(request_id),
+                sample_index=sample,
+                prompt=text,
+                prompt_token_ids=token_ids,
+                params=params,
+                eos_token_ids=tuple(self.engine.model_config.eos_token_id),
+            )
+            request.metrics.num_prompt_tokens = len(token_ids)
+            self.engine.add_request(request)
+            group.append(request)
+        return group
+
+    def _run(self, groups: list[list[Request]], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(groups), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        prompt_tokens = sum(len(g[0].prompt_token_ids) for g in groups)
+        done: set[str] = set()
+        while self.engine.has_unfinished():
+            self.engine.step()
+            completed = [g for g in groups if g[0].request_id not in done and all(r.finished for r in g)]
+            if completed and use_tqdm:
+                done.update(g[0].request_id for g in completed)
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                output_tokens = sum(r.num_output_tokens for g in groups for r in g)
+                bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.1f} toks/s, output: {output_tokens / elapsed:.1f} toks/s")
+                bar.update(len(completed))
+        bar.close()
+
+    @staticmethod
+    def _request_output(group: list[Request]) -> RequestOutput:
+        first = group[0]
+        completions = [
+            CompletionOutput(
+                index=r.sample_index,
+                text=r.text,
+                token_ids=r.output_token_ids,
+                logprobs=r.logprobs,
+                cumulative_logprob=r.cumulative_logprob,
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+            )
+            for r in group
+        ]
+        return RequestOutput(
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=all(r.finished for r in group),
+            metrics=first.metrics,
+        )
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)):
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(prompt).__name__}")
+    return list(prompts)
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return params

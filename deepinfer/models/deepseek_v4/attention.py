@@ -1,0 +1,139 @@
+"""DeepSeek-V4 attention: shared-KV MQA with sinks over a sliding window plus compressed entries.
+
+Sliding layers (ratio 0) see the last ``window`` raw rows. Compressed layers add entries pooled
+from ``ratio`` tokens each: HCA layers see all closed entries, CSA layers the lightning
+indexer's top-k. Every step first writes its own rows to the paged caches, then reads them
+back through slot indices, so prefill, chunked prefill and decode share one code path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
+from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary, unweighted_rms_norm
+from deepinfer.plugins.interfaces import AttentionBackend
+
+
+def _linear(rows: int, cols: int) -> nn.Linear:
+    return nn.Linear(cols, rows, bias=False)
+
+
+class Compressor(nn.Module):
+    """Pools ``ratio`` tokens into one entry by a per-channel softmax over gated scores.
+
+    With ``overlap`` 2 (CSA) each token projects to two series: the first half feeds the next
+    window's entry, the second half the current one, so an entry spans ``2*ratio`` tokens.
+    """
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: int, eps: float):
+        super().__init__()
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.wkv = _linear(overlap * dim, hidden)
+        self.wgate = _linear(overlap * dim, hidden)
+        self.ape = nn.Parameter(torch.zeros(ratio, overlap * dim, dtype=torch.float32), requires_grad=False)
+        self.norm = RMSNorm(dim, eps)
+
+    def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-token rows ``[kv | score]`` in fp32; the position bias is folded into the score."""
+        kv = self.wkv(x).float()
+        score = self.wgate(x).float() + self.ape[positions % self.ratio]
+        return torch.cat([kv, score], dim=-1)
+
+    def pool(self, state: torch.Tensor, meta: CompressedMeta) -> torch.Tensor:
+        """Entries [n, dim] (normed, before RoPE) for the windows closing in this step."""
+        rows = meta.close_rows
+        gathered = state[rows.clamp(min=0)]  # [n, overlap*ratio, 2*overlap*dim]
+        width = self.overlap * self.dim
+        kv, score = gathered[..., :width], gathered[..., width:]
+        if self.overlap == 2:
+            r, d = self.ratio, self.dim
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+            score = torch.cat([score[:, :r, :d], score[:, r:, d:]], dim=1)
+        missing = (rows < 0).unsqueeze(-1)
+        kv = kv.masked_fill(missing, 0.0)
+        score = score.masked_fill(missing, float("-inf"))
+        return self.norm((kv * score.softmax(dim=1)).sum(dim=1))
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores compressed index keys per query and keeps the top-k."""
+
+    def __init__(self, config, rotary: Rotary):
+        super().__init__()
+        self.n_heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.rotary = rotary
+        self.wq_b = _linear(self.n_heads * self.dim, config.q_lora_rank)
+        self.weights_proj = _linear(self.n_heads, config.hidden_size)
+        self.compressor = Compressor(config.hidden_size, self.dim, config.csa_ratio, 2, config.rms_norm_eps)
+        self.weight_scale = self.dim**-0.5 * self.n_heads**-0.5
+
+    def forward(self, x, qr, cos_sin, keys, meta: CompressedMeta, backend: AttentionBackend) -> torch.Tensor:
+        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.dim)
+        q = self.rotary.apply(q, cos_sin)
+        weights = self.weights_proj(x).float() * self.weight_scale
+        return backend.indexer_topk(q, weights, keys, meta.candidates, self.topk)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_id: int, rotary: Rotary, backend: AttentionBackend):
+        super().__init__()
+        c = config
+        self.layer_id, self.backend, self.rotary = layer_id, backend, rotary
+        self.n_heads, self.head_dim, self.o_groups = c.num_heads, c.head_dim, c.o_groups
+        self.eps = c.rms_norm_eps
+        self.ratio = c.compress_ratios[layer_id]
+        self.scale = self.head_dim**-0.5
+        self.wq_a = _linear(c.q_lora_rank, c.hidden_size)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = _linear(c.num_heads * c.head_dim, c.q_lora_rank)
+        self.wkv = _linear(c.head_dim, c.hidden_size)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.wo_a = _linear(c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
+        self.wo_b = _linear(c.hidden_size, c.o_groups * c.o_lora_rank)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32), requires_grad=False)
+        self.compressor = self.indexer = None
+        if self.ratio:
+            overlap = 2 if self.ratio == c.csa_ratio else 1
+            self.compressor = Compressor(c.hidden_size, c.head_dim, self.ratio, overlap, c.rms_norm_eps)
+            if self.ratio == c.csa_ratio:
+                self.indexer = Indexer(c, rotary)
+
+    def _compress(self, compressor: Compressor, x, positions, meta: CompressedMeta, state, entries) -> None:
+        state.index_copy_(0, meta.state_slots, compressor.state_rows(x, positions))
+        if meta.close_slots.numel():
+            pooled = compressor.pool(state, meta)
+            pooled = self.rotary.apply(pooled, self.rotary.cos_sin(meta.close_positions))
+            entries.index_copy_(0, meta.close_slots, pooled.to(entries.dtype))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin, caches) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim)
+        q = self.rotary.apply(unweighted_rms_norm(q, self.eps), cos_sin)
+        kv = self.rotary.apply(self.kv_norm(self.wkv(x)), cos_sin)
+
+        raw = caches.pool("swa", "kv", self.layer_id)
+        raw.index_copy_(0, batch.swa_slots, kv.to(raw.dtype))
+        sources = [(raw, batch.window)]
+        if self.ratio:
+            meta = batch.compressed[self.ratio]
+            kind = f"comp{self.ratio}"
+            entries = caches.pool(kind, "kv", self.layer_id)
+            self._compress(self.compressor, x, batch.positions, meta, caches.pool(f"state{self.ratio}", "kv", self.layer_id), entries)
+            if self.indexer is not None:
+                keys = caches.pool(kind, "index", self.layer_id)
+                state = caches.pool(f"state{self.ratio}", "index", self.layer_id)
+                self._compress(self.indexer.compressor, x, batch.positions, meta, state, keys)
+                selected = self.indexer(x, qr, cos_sin, keys, meta, self.backend)
+                sources.append((entries, selected))
+            else:
+                sources.append((entries, meta.candidates))
+
+        o = self.backend.sparse_attention(q, sources, self.attn_sink, self.scale)
+        o = self.rotary.apply(o, cos_sin, inverse=True)
+        grouped = o.reshape(num_tokens, self.o_groups, -1)
+        wo_a = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
+        mixed = torch.einsum("tgd,grd->tgr", grouped, wo_a).flatten(1)
+        return self.wo_b(mixed)

@@ -1,0 +1,62 @@
+"""Manifold-constrained hyper-connections (mHC): the residual is ``hc_mult`` parallel streams."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.models.deepseek_v4.layers import unweighted_rms_norm
+
+
+class HyperConnection(nn.Module):
+    """Weights that collapse the streams into a sublayer's input and expand its output back.
+
+    ``pre`` collapses, ``post`` expands, ``comb`` (Sinkhorn-projected to a doubly-stochastic
+    matrix) mixes the old streams into the new ones as ``comb^T @ streams``.
+    """
+
+    def __init__(self, hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        n = hc_mult
+        self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden, dtype=torch.float32), requires_grad=False)
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
+
+    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams`` [T, n, D] -> (sublayer input [T, D], post [T, n], comb [T, n, n])."""
+        n = self.hc_mult
+        mix = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps) @ self.fn.T
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return collapsed, post, comb
+
+    @staticmethod
+    def expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + mixed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams before the output norm (no Sinkhorn)."""
+
+    def __init__(self, hc_mult: int, hidden: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.zeros(hc_mult, hc_mult * hidden, dtype=torch.float32), requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(hc_mult, dtype=torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mix = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps) @ self.fn.T
+        pre = torch.sigmoid(mix * self.scale + self.base) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -1,0 +1,108 @@
+"""DeepSeek-V4 (V4-Flash, V4-Pro, V4-Flash-0731) on DeepInfer's paged caches."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from deepinfer.core.forward_batch import ForwardBatch
+from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
+from deepinfer.models.deepseek_v4.attention import Attention
+from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, inv_freq
+from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
+from deepinfer.models.deepseek_v4.mhc import HyperConnection, HyperHead
+from deepinfer.models.deepseek_v4.moe import MoE
+from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend
+
+# Tensors that stay fp32 whatever the model dtype (as the checkpoints ship them).
+_FP32_SUFFIXES = ("norm.weight", "attn_sink", "ape", "gate.bias")
+# Our module paths -> DeepSeek's tensor names for the hyper-connection parameters.
+_HC_NAMES = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
+
+
+class Block(nn.Module):
+    def __init__(self, config: DeepseekV4ModelConfig, layer_id: int, rotary: Rotary, attention: AttentionBackend, moe: MoEBackend):
+        super().__init__()
+        c = config
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_attn = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.hc_ffn = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn = Attention(c, layer_id, rotary, attention)
+        self.ffn = MoE(c, c.hash_layers[layer_id], moe)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, cos_sin, caches: KVCache) -> torch.Tensor:
+        x, post, comb = self.hc_attn.collapse(streams)
+        streams = HyperConnection.expand(streams, self.attn(self.attn_norm(x), batch, cos_sin, caches), post, comb)
+        x, post, comb = self.hc_ffn.collapse(streams)
+        return HyperConnection.expand(streams, self.ffn(self.ffn_norm(x), batch.token_ids), post, comb)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: DeepseekV4ModelConfig, attention: AttentionBackend, moe: MoEBackend, dtype: torch.dtype):
+        super().__init__()
+        c = self.config = config
+        self.dtype = dtype
+        self.rotary_main = Rotary(inv_freq(c, compressed=False))
+        self.rotary_compress = Rotary(inv_freq(c, compressed=True))
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe)
+            for i in range(c.num_layers)
+        )
+        self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        for name, tensor in self.state_dict().items():
+            if tensor.is_floating_point() and not (name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name)):
+                tensor.data = tensor.data.to(dtype)
+        self.requires_grad_(False)
+
+    # -- weights ------------------------------------------------------------------------------
+    @staticmethod
+    def checkpoint_name(module_path: str) -> str:
+        """Our parameter path -> DeepSeek's tensor name (they differ only for mHC parameters)."""
+        return _HC_NAMES.sub(lambda m: f"{m.group(1)}_{m.group(2)}", module_path)
+
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {self.checkpoint_name(k): (tuple(v.shape), v.dtype) for k, v in self.state_dict().items()}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        own = self.state_dict()
+        for path, target in own.items():
+            target.copy_(tensors[self.checkpoint_name(path)])
+
+    # -- caches -------------------------------------------------------------------------------
+    def cache_kinds(self) -> list[CacheKind]:
+        c = self.config
+        all_layers = tuple(range(c.num_layers))
+        kinds = [sliding_kind("swa", c.window, (Pool("kv", all_layers, c.head_dim, self.dtype),))]
+        for ratio in sorted(set(c.compress_ratios) - {0}):
+            layers = tuple(i for i, r in enumerate(c.compress_ratios) if r == ratio)
+            overlap = 2 if ratio == c.csa_ratio else 1
+            entries = [Pool("kv", layers, c.head_dim, self.dtype)]
+            state = [Pool("kv", layers, 2 * overlap * c.head_dim, torch.float32)]
+            if ratio == c.csa_ratio:
+                entries.append(Pool("index", layers, c.index_head_dim, self.dtype))
+                state.append(Pool("index", layers, 4 * c.index_head_dim, torch.float32))
+            kinds.append(CacheKind(f"comp{ratio}", ratio, tuple(entries)))
+            kinds.append(compressor_state_kind(f"state{ratio}", ratio, overlap, tuple(state)))
+        return kinds
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, caches: KVCache) -> torch.Tensor:
+        """Returns the mHC streams [T, hc_mult, hidden] of every token in the step."""
+        x = self.embed(batch.token_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        cos_sin = {
+            self.rotary_main: self.rotary_main.cos_sin(batch.positions),
+            self.rotary_compress: self.rotary_compress.cos_sin(batch.positions),
+        }
+        for layer in self.layers:
+            streams = layer(streams, batch, cos_sin[layer.attn.rotary], caches)
+        return streams
+
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.hc_head(streams))).float()

@@ -1,0 +1,63 @@
+"""DeepSeek-V4 MoE: router (hash or score top-k with correction bias), routed experts, shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.core.ops import swiglu
+from deepinfer.plugins.interfaces import ExpertWeights, MoEBackend
+
+
+_SCORE_FUNCTIONS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
+
+class MoE(nn.Module):
+    def __init__(self, config, is_hash: bool, backend: MoEBackend):
+        super().__init__()
+        hidden, inter, experts = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
+        self.backend = backend
+        self.is_hash = is_hash
+        self.top_k = config.num_experts_per_tok
+        self.score = _SCORE_FUNCTIONS[config.scoring_func]
+        self.norm_topk_prob = config.norm_topk_prob
+        self.route_scale = config.routed_scaling_factor
+        self.limit = config.swiglu_limit
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(experts, hidden), requires_grad=False)
+        if is_hash:
+            self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.int64))
+        else:
+            self.gate.register_buffer("bias", torch.zeros(experts, dtype=torch.float32))
+        self.experts = nn.Module()
+        for name, shape in (("w1", (experts, inter, hidden)), ("w3", (experts, inter, hidden)), ("w2", (experts, hidden, inter))):
+            sub = nn.Module()
+            sub.weight = nn.Parameter(torch.zeros(shape), requires_grad=False)
+            setattr(self.experts, name, sub)
+        shared_inter = inter * config.n_shared_experts
+        self.shared_experts = nn.Module()
+        for name, shape in (("w1", (shared_inter, hidden)), ("w3", (shared_inter, hidden)), ("w2", (hidden, shared_inter))):
+            setattr(self.shared_experts, name, nn.Linear(shape[1], shape[0], bias=False))
+
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score(x.float() @ self.gate.weight.float().T)
+        if self.is_hash:
+            ids = self.gate.tid2eid[token_ids].long()
+        else:
+            ids = torch.topk(scores + self.gate.bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.route_scale
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x, token_ids)
+        experts = ExpertWeights(self.experts.w1.weight, self.experts.w3.weight, self.experts.w2.weight, self.limit)
+        routed = self.backend.routed_experts(x, ids, weights, experts)
+        shared = self.shared_experts
+        return routed + swiglu(x, shared.w1.weight, shared.w3.weight, shared.w2.weight, self.limit).to(x.dtype)

@@ -1,0 +1,55 @@
+"""Reference attention backend in plain torch: runs on any device, favours clarity over speed."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.plugins.hookspecs import hookimpl
+
+# Queries per chunk are chosen so one chunk's gathered keys stay near this many elements.
+_GATHER_BUDGET = 1 << 24
+
+
+def _query_chunks(num_tokens: int, keys_per_query: int, dim: int):
+    step = max(1, _GATHER_BUDGET // max(1, keys_per_query * dim))
+    for start in range(0, num_tokens, step):
+        yield slice(start, min(start + step, num_tokens))
+
+
+class TorchAttention:
+    name = "torch-reference"
+
+    def sparse_attention(self, q, sources, sinks, scale):
+        num_tokens, num_heads, dim = q.shape
+        out = torch.empty_like(q)
+        width = sum(idx.shape[1] for _, idx in sources)
+        for rows in _query_chunks(num_tokens, width, dim):
+            indices = torch.cat([idx[rows] for _, idx in sources], dim=1)
+            keys = torch.cat([pool[idx[rows].clamp(min=0)] for pool, idx in sources], dim=1).float()
+            scores = torch.einsum("thd,tkd->thk", q[rows].float(), keys) * scale
+            scores = scores.masked_fill((indices < 0).unsqueeze(1), float("-inf"))
+            sink = sinks.float().view(1, num_heads, 1).expand(scores.shape[0], -1, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+            out[rows] = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+        return out
+
+    def indexer_topk(self, q, weights, keys, candidates, topk):
+        k = min(topk, candidates.shape[1])
+        selected = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
+        if k == 0:
+            return selected
+        for rows in _query_chunks(q.shape[0], candidates.shape[1], q.shape[1] * q.shape[2]):
+            cand = candidates[rows]
+            dots = torch.einsum("thd,tcd->thc", q[rows].float(), keys[cand.clamp(min=0)].float()).relu()
+            scores = (dots * weights[rows].unsqueeze(-1)).sum(dim=1).masked_fill(cand < 0, float("-inf"))
+            # a stable sort breaks exact ties by candidate order (older entries first), so the
+            # choice does not depend on how many padded candidates the batch gave this query
+            values, order = scores.sort(dim=-1, descending=True, stable=True)
+            picked = cand.gather(1, order[:, :k])
+            selected[rows] = torch.where(values[:, :k] == float("-inf"), -1, picked)
+        return selected
+
+
+@hookimpl(trylast=True)
+def deepinfer_attention_backend(config, device):
+    return TorchAttention()

@@ -1,0 +1,57 @@
+"""DeepInfer's hook specifications.
+
+Every hook receives the engine configuration and answers with an object or ``None``.
+"Backend" hooks are ``firstresult``: the first plugin that returns an object serves the
+hook, later plugins are not asked; a plugin declines by returning ``None``. Plugins run in
+registration order reversed (pluggy's rule), so entry-point plugins are asked before the
+built-in reference plugins, and ``tryfirst``/``trylast`` adjust that.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("deepinfer")
+hookimpl = pluggy.HookimplMarker("deepinfer")
+
+
+@hookspec
+def deepinfer_configure_engine(config):
+    """Inspect (and where documented, adjust) the ``EngineConfig`` before anything is built.
+
+    Called once per engine, by every plugin. Raise ``ValueError`` to refuse a
+    combination of settings the plugin cannot honour.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_attention_backend(config, device):
+    """Return an ``AttentionBackend`` for ``device`` or ``None`` to decline.
+
+    It serves sparse attention with sinks over paged KV rows and the indexer's top-k.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_moe_backend(config, device):
+    """Return a ``MoEBackend`` (routed experts given top-k ids and weights) or ``None``."""
+
+
+@hookspec(firstresult=True)
+def deepinfer_sampler(config, device):
+    """Return a ``Sampler`` turning a batch of logits into tokens, or ``None``."""
+
+
+@hookspec(firstresult=True)
+def deepinfer_drafter(config, model):
+    """Return a ``Drafter`` proposing speculative tokens for ``model``, or ``None`` (no speculation)."""
+
+
+@hookspec(firstresult=True)
+def deepinfer_prefill_truncation(config, model_config):
+    """Return a ``PrefillTruncation`` policy for the model's decoder layers, or ``None`` (full prefill)."""
+
+
+@hookspec(firstresult=True)
+def deepinfer_logits_processor(config, tokenizer):
+    """Return a ``LogitsProcessor`` for requests with ``so_args`` (structured outputs), or ``None``."""

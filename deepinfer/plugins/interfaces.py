@@ -1,0 +1,137 @@
+"""What the objects returned by the hooks must provide.
+
+Shapes use T = tokens in the step (all requests flattened), H = heads, D = head dim,
+N = rows of a paged pool, K = keys per query, B = rows being sampled, V = vocabulary.
+Index tensors are int64 and use -1 for "no key here".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One softmax per (token, head) over the union of keys named by ``sources``.
+
+        ``q`` is [T, H, D]. Each source is ``(rows [N, D], indices [T, K])``: key j of query t
+        is ``rows[indices[t, j]]`` and is also its value (K = V). ``sinks`` [H] (fp32) enters
+        only the softmax denominator. Returns [T, H, D] in ``q``'s dtype.
+        """
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        candidates: torch.Tensor,
+        topk: int,
+    ) -> torch.Tensor:
+        """Lightning-indexer selection.
+
+        ``q`` [T, Hi, Di], ``weights`` [T, Hi] (already scaled), ``keys`` [N, Di] pool rows,
+        ``candidates`` [T, C] row indices into ``keys`` (-1 = not visible to that query).
+        Score ``sum_h weights[t,h] * relu(q[t,h] . keys[c])`` and return the row indices of
+        the ``min(topk, C)`` best visible candidates, [T, min(topk, C)], -1 where fewer exist.
+        """
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    """Stacked routed-expert weights of one MoE layer (w1 = gate, w3 = up, w2 = down)."""
+
+    w1: torch.Tensor  # [E, I, hidden]
+    w3: torch.Tensor  # [E, I, hidden]
+    w2: torch.Tensor  # [E, hidden, I]
+    swiglu_limit: float
+
+
+class MoEBackend(Protocol):
+    name: str
+
+    def routed_experts(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        weights: ExpertWeights,
+    ) -> torch.Tensor:
+        """Sum over the k chosen experts of ``w * w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))``.
+
+        ``x`` [T, hidden], ``topk_ids`` [T, k] int64, ``topk_weights`` [T, k] fp32.
+        SwiGLU runs in fp32; the routing weight is applied before ``w2``. Returns [T, hidden].
+        """
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters for the rows of a logits tensor [B, V].
+
+    Rows with ``temperature == 0`` are greedy. ``top_k`` 0 means off, ``top_p`` 1.0 off,
+    ``min_p`` 0.0 off. ``seeds`` is -1 for unseeded rows; seeded rows draw their noise from
+    ``(seed, positions[row], token id)`` only. ``prompt_token_ids``/``output_token_ids`` feed
+    the penalties. ``num_logprobs`` is the largest ``logprobs`` asked for in the batch (0 = none).
+    """
+
+    temperature: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    presence_penalty: torch.Tensor  # [B] fp32
+    frequency_penalty: torch.Tensor  # [B] fp32
+    repetition_penalty: torch.Tensor  # [B] fp32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64, index of the token being sampled within its output
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    blocked_token_ids: list[list[int]]  # e.g. EOS before min_tokens
+    num_logprobs: int
+    all_greedy: bool
+    any_penalties: bool
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] fp32, log-probability of each sampled token (raw model distribution)
+    top_logprob_ids: torch.Tensor | None  # [B, num_logprobs] int64
+    top_logprobs: torch.Tensor | None  # [B, num_logprobs] fp32
+
+
+class Sampler(Protocol):
+    name: str
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Apply penalties, temperature, top-k/top-p/min-p, then draw one token per row."""
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, model_outputs, requests) -> list[list[int]]:
+        """Draft tokens for each running request after a target-model step."""
+
+
+class PrefillTruncation(Protocol):
+    name: str
+
+    def replay_start(self, num_prompt_tokens: int) -> int:
+        """First prompt position the decoder layers must run on."""
+
+
+class LogitsProcessor(Protocol):
+    name: str
+
+    def validate(self, so_args: dict) -> None:
+        """Raise ``ValueError`` naming the problem if ``so_args`` cannot be enforced."""

@@ -1,0 +1,22 @@
+"""Test probes into a live engine (not part of the public API)."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.core.request import Request
+from deepinfer.sampling_params import SamplingParams
+
+
+@torch.inference_mode()
+def prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] of one uncached prefill through the engine's caches."""
+    engine = llm.engine
+    request = Request("probe", 0, 0, None, list(token_ids), SamplingParams(), ())
+    engine.blocks.allocate(request.tables, 0, len(token_ids))
+    try:
+        batch = engine.batch_builder.build([(request, 0, len(token_ids))])
+        streams = engine.model(batch, engine.cache)
+        return engine.model.compute_logits(streams)
+    finally:
+        engine.blocks.free(request.tables)

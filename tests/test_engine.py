@@ -1,0 +1,163 @@
+"""The engine end to end on a tiny checkpoint: API behaviour, hooks, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.plugins import hookimpl
+from deepinfer.plugins.builtin.torch_attention import TorchAttention
+from deepinfer.plugins.builtin.torch_moe import TorchMoE
+from deepinfer.plugins.manager import registered
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_v4_checkpoint):
+    return LLM(str(tiny_v4_checkpoint), dtype="float32")
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+class CountingAttention(TorchAttention):
+    name = "counting-attention"
+    calls = 0
+
+    def sparse_attention(self, *args):
+        CountingAttention.calls += 1
+        return super().sparse_attention(*args)
+
+
+class CountingMoE(TorchMoE):
+    name = "counting-moe"
+    calls = 0
+
+    def routed_experts(self, *args):
+        CountingMoE.calls += 1
+        return super().routed_experts(*args)
+
+
+class AttentionPlugin:
+    @hookimpl
+    def deepinfer_attention_backend(self, config, device):
+        return CountingAttention()
+
+
+class MoEPlugin:
+    @hookimpl
+    def deepinfer_moe_backend(self, config, device):
+        return CountingMoE()
+
+
+def test_hook_deepinfer_attention_backend(tiny_v4_checkpoint, llm, caplog):
+    expected = _tokens(llm, ["def f(x):"])
+    with registered(AttentionPlugin(), "counting"):
+        replaced = LLM(str(tiny_v4_checkpoint), dtype="float32")
+        assert _tokens(replaced, ["def f(x):"]) == expected
+    assert CountingAttention.calls > 0
+    assert "attention backend: counting-attention (plugin counting)" in caplog.text
+
+
+def test_hook_deepinfer_moe_backend(tiny_v4_checkpoint, llm, caplog):
+    expected = _tokens(llm, ["import os"])
+    with registered(MoEPlugin(), "counting"):
+        assert _tokens(LLM(str(tiny_v4_checkpoint), dtype="float32"), ["import os"]) == expected
+    assert CountingMoE.calls > 0
+    assert "moe backend: counting-moe (plugin counting)" in caplog.text
+
+
+class Offers:
+    @hookimpl
+    def deepinfer_drafter(self, config, model):
+        return type("Drafter", (), {"name": "test-drafter"})()
+
+    @hookimpl
+    def deepinfer_prefill_truncation(self, config, model_config):
+        return type("Truncation", (), {"name": "test-truncation"})()
+
+    @hookimpl
+    def deepinfer_logits_processor(self, config, tokenizer):
+        return type("Processor", (), {"name": "test-grammar"})()
+
+
+def test_hook_deepinfer_drafter(tiny_v4_checkpoint):
+    class DrafterOnly:
+        deepinfer_drafter = Offers.deepinfer_drafter
+
+    with registered(DrafterOnly(), "drafts"), pytest.raises(NotImplementedError, match="plugin drafts offers speculative drafts"):
+        LLM(str(tiny_v4_checkpoint), dtype="float32")
+
+
+def test_hook_deepinfer_prefill_truncation(tiny_v4_checkpoint):
+    class TruncationOnly:
+        deepinfer_prefill_truncation = Offers.deepinfer_prefill_truncation
+
+    with registered(TruncationOnly(), "yoco"), pytest.raises(ValueError, match="plugin yoco offers prefill truncation"):
+        LLM(str(tiny_v4_checkpoint), dtype="float32")
+
+
+def test_hook_deepinfer_logits_processor(llm):
+    params = SamplingParams(so_args={"schema_type": "regex", "schema": "[a-z]+"})
+    with pytest.raises(ValueError, match="deepinfer-structured-outputs"):
+        llm.generate(["x"], params, use_tqdm=False)
+
+    class GrammarOnly:
+        deepinfer_logits_processor = Offers.deepinfer_logits_processor
+
+    with registered(GrammarOnly(), "grammar"), pytest.raises(NotImplementedError, match="plugin grammar"):
+        llm.generate(["x"], params, use_tqdm=False)
+
+
+def test_outputs_in_input_order_with_token_id_prompts(llm):
+    prompts = ["a", [0, 5, 6, 7], "class Foo:"]
+    alone = [_tokens(llm, [p])[0] for p in prompts]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == alone
+    assert outputs[1].prompt is None and outputs[1].prompt_token_ids == [0, 5, 6, 7]
+    assert outputs[0].prompt == "a" and outputs[0].prompt_token_ids[0] == 0  # BOS
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+
+
+def test_n_samples_and_seeded_sampling(llm):
+    params = SamplingParams(temperature=1.0, n=3, max_tokens=8, seq_seed=1234, ignore_eos=True)
+    first = llm.generate(["hello"], params, use_tqdm=False)[0]
+    again = llm.generate(["x", "hello"], [params, params], use_tqdm=False)[1]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+
+
+def test_stop_string_and_stop_token(llm):
+    free = llm.generate(["def f(x):"], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = free.text[3:6]
+    cut = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == free.text[: free.text.index(stop)]
+    token = free.token_ids[4]
+    by_token = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[token]), use_tqdm=False)[0].outputs[0]
+    assert by_token.stop_reason == token and by_token.token_ids == free.token_ids[: free.token_ids.index(token) + 1]
+
+
+def test_logprobs(llm):
+    out = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, step in zip(out.token_ids, out.logprobs):
+        assert step[token].rank == 1 and len(step) == 3
+    assert out.cumulative_logprob == pytest.approx(sum(step[t].logprob for t, step in zip(out.token_ids, out.logprobs)))
+
+
+def test_bad_input_errors_name_the_problem(llm, tiny_v4_checkpoint):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[0, 99999]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * 2000], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
+        llm.generate(["a"], [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        LLM(str(tiny_v4_checkpoint), max_num_seq=4)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LLM(str(tiny_v4_checkpoint), dtype="fp33")
