@@ -45,6 +45,29 @@ TINY_V4 = dict(
 )
 
 
+# A larger (still small) shape for CPU benchmarks: compute, not Python overhead, dominates.
+SMALL_V4 = dict(
+    hidden_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    head_dim=128,
+    qk_rope_head_dim=32,
+    q_lora_rank=256,
+    o_groups=4,
+    o_lora_rank=128,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=256,
+    sliding_window=64,
+    index_n_heads=8,
+    index_head_dim=64,
+    index_topk=32,
+    layer_types=["sliding_attention"] + ["compressed_sparse_attention", "heavily_compressed_attention"] * 2 + ["sliding_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+    max_position_embeddings=1024,
+)
+
+
 def build_tiny_v4(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Write config.json, model.safetensors and a tokenizer into ``out_dir``; return it."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM

@@ -1,0 +1,28 @@
+"""The ``deepinfer`` command line."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# Set before anything starts torch's thread pool, so every worker thread inherits it
+# (subnormal floats make CPU kernels ~100x slower; see LLMEngine).
+torch.set_flush_denormal(True)
+
+from deepinfer import bench  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="deepinfer")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench_parser = commands.add_parser("bench", help="benchmarks")
+    kinds = bench_parser.add_subparsers(dest="kind", required=True)
+    bench.add_arguments(kinds.add_parser("throughput", help="offline throughput, optionally against HF transformers"))
+    args = parser.parse_args(argv)
+    if args.command == "bench" and args.kind == "throughput":
+        bench.main(args)
+
+
+if __name__ == "__main__":
+    main()
