@@ -37,9 +37,11 @@ class ForwardBatch:
     compressed: dict[int, CompressedMeta] = field(default_factory=dict)
 
     def to(self, device) -> "ForwardBatch":
-        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in _TENSOR_FIELDS}
-        compressed = {r: CompressedMeta(m.ratio, m.overlap, *(getattr(m, f).to(device, non_blocking=True) for f in _META_FIELDS)) for r, m in self.compressed.items()}
-        return ForwardBatch(**moved, compressed=compressed)
+        def move(obj, names):
+            return [getattr(obj, name).to(device, non_blocking=True) for name in names]
+
+        compressed = {r: CompressedMeta(m.ratio, m.overlap, *move(m, _META_FIELDS)) for r, m in self.compressed.items()}
+        return ForwardBatch(*move(self, _TENSOR_FIELDS), compressed=compressed)
 
 
 _TENSOR_FIELDS = ("token_ids", "positions", "swa_slots", "window", "logits_rows")

@@ -119,17 +119,17 @@ class Attention(nn.Module):
         sources = [(raw, batch.window)]
         if self.ratio:
             meta = batch.compressed[self.ratio]
-            kind = f"comp{self.ratio}"
-            entries = caches.pool(kind, "kv", self.layer_id)
-            self._compress(self.compressor, x, batch.positions, meta, caches.pool(f"state{self.ratio}", "kv", self.layer_id), entries)
-            if self.indexer is not None:
-                keys = caches.pool(kind, "index", self.layer_id)
-                state = caches.pool(f"state{self.ratio}", "index", self.layer_id)
-                self._compress(self.indexer.compressor, x, batch.positions, meta, state, keys)
-                selected = self.indexer(x, qr, cos_sin, keys, meta, self.backend)
-                sources.append((entries, selected))
-            else:
+            entries_kind, state_kind = f"comp{self.ratio}", f"state{self.ratio}"
+            entries = caches.pool(entries_kind, "kv", self.layer_id)
+            state = caches.pool(state_kind, "kv", self.layer_id)
+            self._compress(self.compressor, x, batch.positions, meta, state, entries)
+            if self.indexer is None:
                 sources.append((entries, meta.candidates))
+            else:
+                keys = caches.pool(entries_kind, "index", self.layer_id)
+                key_state = caches.pool(state_kind, "index", self.layer_id)
+                self._compress(self.indexer.compressor, x, batch.positions, meta, key_state, keys)
+                sources.append((entries, self.indexer(x, qr, cos_sin, keys, meta, self.backend)))
 
         o = self.backend.sparse_attention(q, sources, self.attn_sink, self.scale)
         o = self.rotary.apply(o, cos_sin, inverse=True)
