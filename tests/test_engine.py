@@ -161,3 +161,20 @@ def test_bad_input_errors_name_the_problem(llm, tiny_v4_checkpoint):
         LLM(str(tiny_v4_checkpoint), max_num_seq=4)
     with pytest.raises(ValueError, match="dtype must be one of"):
         LLM(str(tiny_v4_checkpoint), dtype="fp33")
+
+
+@pytest.mark.parametrize(
+    "variable, value, distribution",
+    [
+        ("DEEPINFER_ENABLE_MTP_VARLEN", "1", "deepinfer-mtp"),
+        ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact", "deepinfer-swa-replay"),
+        ("DEEPINFER_BATCH_INVARIANT", "1", "deepinfer-batch-invariant"),
+    ],
+)
+def test_feature_switch_without_its_plugin_is_an_error(tiny_v4_checkpoint, monkeypatch, variable, value, distribution):
+    from deepinfer import envs
+
+    monkeypatch.setenv(variable, value)
+    envs.reload()
+    with pytest.raises(ValueError, match=f"{variable}={value} needs the {distribution} plugin"):
+        LLM(str(tiny_v4_checkpoint), dtype="float32")

@@ -10,6 +10,7 @@ import torch
 from deepinfer import envs
 from deepinfer.core.block_manager import BlockManager
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.feature_flags import check_feature_plugins
 from deepinfer.core.forward_batch import ForwardBatchBuilder
 from deepinfer.core.kv_cache import KVCache, bytes_per_block
 from deepinfer.core.model_source import resolve_model_dir
@@ -31,6 +32,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         load_plugins()
+        check_feature_plugins()
         call_all("deepinfer_configure_engine", config=config)
         env = envs.get()
         model_dir = resolve_model_dir(config.model)
