@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Install DeepInfer from this checkout into the current Python (an active venv if any).
+#
+#   DEEPINFER_ACCELERATOR=cpu|nvidia|ascend ./build.sh      (default cpu)
+#
+# cpu installs torch if it is missing (DEEPINFER_TORCH_SPEC, default torch==2.13.0); nvidia
+# and ascend expect the accelerator's torch (and torch_npu) to be installed already, since
+# which build matches the driver is the user's call. Then the core (editable, with the test
+# extra), the accelerator's backend plugin and every feature plugin that exists. Safe to rerun.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=python3
+accelerator="${DEEPINFER_ACCELERATOR:-cpu}"
+accelerator="${accelerator,,}"
+
+say() { echo "build.sh: $*"; }
+die() { echo "build.sh: error: $*" >&2; exit 1; }
+pip_install() { "$PYTHON" -m pip install --quiet --disable-pip-version-check "$@"; }
+python_ok() { "$PYTHON" -c "$1" >/dev/null 2>&1; }
+
+case "$accelerator" in
+    cpu|nvidia|ascend) ;;
+    *) die "DEEPINFER_ACCELERATOR=${DEEPINFER_ACCELERATOR} is not one of cpu, nvidia, ascend" ;;
+esac
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; DeepInfer needs Python >= 3.11"
+python_ok 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || die "DeepInfer needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>&1)"
+# As root outside a venv (CI, containers) pip would warn on every install.
+export PIP_ROOT_USER_ACTION=ignore
+
+case "$accelerator" in
+    cpu)
+        if python_ok 'import torch'; then
+            say "torch $("$PYTHON" -c 'import torch; print(torch.__version__)') already installed"
+        else
+            spec="${DEEPINFER_TORCH_SPEC:-torch==2.13.0}"
+            say "installing $spec"
+            pip_install "$spec"
+        fi
+        ;;
+    nvidia)
+        python_ok 'import sys, torch; sys.exit(torch.version.cuda is None)' \
+            || die "DEEPINFER_ACCELERATOR=nvidia needs a CUDA build of torch (>= 2.9) in $PYTHON; install one first (https://pytorch.org/get-started/locally/), then rerun"
+        ;;
+    ascend)
+        python_ok 'import torch, torch_npu' \
+            || die "DEEPINFER_ACCELERATOR=ascend needs torch and torch_npu (matching your CANN) in $PYTHON; install them first, then rerun"
+        ;;
+esac
+
+say "installing deepinfer (editable, with the test extra)"
+pip_install -e ".[test]"
+
+if [[ "$accelerator" != cpu ]]; then
+    backend="backends/$accelerator"
+    if [[ -f "$backend/pyproject.toml" ]]; then
+        say "installing the $accelerator backend plugin ($backend)"
+        pip_install -e "$backend"
+    else
+        meanwhile="the reference torch path runs on CUDA"
+        [[ "$accelerator" == ascend ]] && meanwhile="the reference torch path runs (on CPU unless you pass device=\"npu\")"
+        say "the $accelerator backend plugin ($backend) is not written yet: it lands with its issue; meanwhile $meanwhile"
+    fi
+fi
+
+shopt -s nullglob
+for feature in features/*/; do
+    if [[ -f "$feature/pyproject.toml" ]]; then
+        say "installing feature plugin ${feature%/}"
+        pip_install -e "$feature"
+    fi
+done
+
+# The README's commands run `python`; say so if it is not the interpreter we installed into.
+if command -v python >/dev/null && [[ "$(python -c 'import sys; print(sys.prefix)' 2>/dev/null)" != "$("$PYTHON" -c 'import sys; print(sys.prefix)')" ]]; then
+    say "warning: 'python' is not the interpreter deepinfer was installed into ($PYTHON); use $PYTHON"
+fi
+say "done ($accelerator): $("$PYTHON" -c 'import deepinfer, torch; print("deepinfer", deepinfer.__version__, "with torch", torch.__version__)')"

@@ -1,0 +1,62 @@
+"""The README must not drift from the code: env table, hook signatures, Quick start vs CI."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from deepinfer import envs
+from deepinfer.plugins.manager import pm
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+ENV_TABLE = re.compile(r"<!-- env-table:start -->\n(.*?)\n<!-- env-table:end -->", re.DOTALL)
+HEADINGS = [line[4:].strip() for line in README.splitlines() if line.startswith("### ")]
+
+
+def _hook_signatures() -> list[str]:
+    callers = [caller for name, caller in vars(pm.hook).items() if not name.startswith("_") and caller.has_spec()]
+    return sorted(f"{caller.name}({', '.join(caller.spec.argnames)})" for caller in callers)
+
+
+def _quick_start_commands() -> list[str]:
+    section = re.search(r"^## Quick start\n(.*?)(?=^## )", README, re.DOTALL | re.MULTILINE)
+    assert section, "README has no '## Quick start' section followed by another '## ' section"
+    return [block.strip() for block in re.findall(r"^```bash\n(.*?)^```", section.group(1), re.DOTALL | re.MULTILINE)]
+
+
+def test_env_table_matches_registry():
+    tables = ENV_TABLE.findall(README)
+    assert len(tables) == 1, "README needs exactly one env table between the env-table markers"
+    assert tables[0] == envs.markdown_table(), "README env table is stale: paste `python -m deepinfer.envs`"
+
+
+def test_hookspecs_found():
+    assert len(_hook_signatures()) >= 1
+
+
+@pytest.mark.parametrize("signature", _hook_signatures())
+def test_plugin_hooks_are_documented(signature):
+    assert any(signature in heading for heading in HEADINGS), f"README needs a '### {signature}' heading"
+
+
+def test_quick_start_has_two_one_line_commands():
+    commands = _quick_start_commands()
+    assert len(commands) == 2, f"Quick start must have exactly two bash blocks, found {len(commands)}"
+    for command in commands:
+        assert "\n" not in command, f"Quick start commands are one line each, got {command!r}"
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = _quick_start_commands()[1]
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test_command in ci_lines, f".ci/run must run the README's test command verbatim: {test_command}"
+
+
+@pytest.mark.parametrize("script", ["build.sh", ".ci/run"])
+def test_scripts_are_executable(script):
+    # The Quick start runs ./build.sh directly; a clean clone gets the mode git recorded.
+    assert os.access(ROOT / script, os.X_OK), f"chmod +x {script} (and commit the mode)"
