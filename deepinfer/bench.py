@@ -20,6 +20,11 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(num)]
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _result(elapsed: float, args, output_tokens: int) -> dict:
     total = args.num_prompts * args.input_len + output_tokens
     return {
@@ -35,7 +40,7 @@ def _result(elapsed: float, args, output_tokens: int) -> dict:
 def run_deepinfer(args, prompts) -> dict:
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1))
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.num_prompts, 1))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -49,11 +54,15 @@ def run_hf(args, prompts) -> dict:
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
-    ids = torch.tensor(prompts)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
     model.generate(ids[:1], max_new_tokens=2, do_sample=False)  # warm-up
+    _synchronize()
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False)
+    _synchronize()
     elapsed = time.perf_counter() - start
     return _result(elapsed, args, (out.shape[1] - ids.shape[1]) * ids.shape[0])
 
@@ -64,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", help="write the results here")

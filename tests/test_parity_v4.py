@@ -37,15 +37,21 @@ def prompts():
     return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
+def _cache(output):
+    # transformers renamed past_key_values to cache after 5.17 (the GPU machine has 5.17)
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 @torch.no_grad()
 def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     out = model(torch.tensor([prompt]), use_cache=True)
-    cache, tokens = out.cache, []
+    cache, tokens = _cache(out), []
     for _ in range(steps):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        cache = _cache(out)
     return tokens
 
 
