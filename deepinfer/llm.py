@@ -66,7 +66,6 @@ class LLM:
         for sample in range(params.n):
             request = Request(
                 request_id=request_id,
-                prompt_index=int(request_id),
                 sample_index=sample,
                 prompt=text,
                 prompt_token_ids=token_ids,

@@ -8,6 +8,8 @@ steps cross both ratio boundaries many times.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -43,6 +45,10 @@ def _cache(output):
     return cache if cache is not None else output.past_key_values
 
 
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     out = model(torch.tensor([prompt]), use_cache=True)
@@ -50,7 +56,7 @@ def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     for _ in range(steps):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([[token]]), use_cache=True, **{_cache_kwarg(model): cache})
         cache = _cache(out)
     return tokens
 

@@ -21,7 +21,6 @@ class Request:
     """``token_ids`` is prompt + generated tokens; the first ``num_computed`` are in the caches."""
 
     request_id: str
-    prompt_index: int
     sample_index: int
     prompt: str | None
     prompt_token_ids: list[int]

@@ -7,13 +7,14 @@ import torch
 from deepinfer.core.request import Request
 from deepinfer.plugins.interfaces import SamplingBatch
 
-# Each of a prompt's n samples gets its own noise key: the sample index fills the high bits.
-SAMPLE_INDEX_SHIFT = 32
+# Each of a prompt's n samples gets its own noise key: sample i uses seed + i * GOLDEN (mod 2**63),
+# so sample 0 keeps the user's seed and the keys of different samples are far apart.
+GOLDEN = 0x9E3779B97F4A7C15
 
 
 def _sample_seed(request: Request) -> int:
     seed = request.params.seq_seed
-    return -1 if seed is None else seed + (request.sample_index << SAMPLE_INDEX_SHIFT)
+    return -1 if seed is None else (seed + request.sample_index * GOLDEN) % 2**63
 
 
 def _blocked(request: Request) -> list[int]:

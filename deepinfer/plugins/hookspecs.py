@@ -1,10 +1,13 @@
 """DeepInfer's hook specifications.
 
-Every hook receives the engine configuration and answers with an object or ``None``.
-"Backend" hooks are ``firstresult``: the first plugin that returns an object serves the
-hook, later plugins are not asked; a plugin declines by returning ``None``. Plugins run in
-registration order reversed (pluggy's rule), so entry-point plugins are asked before the
-built-in reference plugins, and ``tryfirst``/``trylast`` adjust that.
+Every hook receives the engine configuration (``device`` is a ``torch.device``).
+``deepinfer_configure_engine`` is called on every plugin. The others are ``firstresult``: the
+first plugin that returns an object serves the hook and later plugins are not asked; a plugin
+declines by returning ``None``. Attention, MoE and sampler must be served (the built-in
+reference plugins always answer); drafter, prefill truncation and logits processor may go
+unanswered, which means the feature is off. Plugins are asked in pluggy's order (latest
+registered first, so entry-point plugins before the built-ins; ``tryfirst``/``trylast``
+adjust it). Hook wrappers are not supported.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class MoEBackend(Protocol):
         """Sum over the k chosen experts of ``w * w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))``.
 
         ``x`` [T, hidden], ``topk_ids`` [T, k] int64, ``topk_weights`` [T, k] fp32.
-        SwiGLU runs in fp32; the routing weight is applied before ``w2``. Returns [T, hidden].
+        SwiGLU runs in fp32. Returns [T, hidden] in ``x``'s dtype.
         """
 
 
@@ -80,8 +80,9 @@ class SamplingBatch:
 
     Rows with ``temperature == 0`` are greedy. ``top_k`` 0 means off, ``top_p`` 1.0 off,
     ``min_p`` 0.0 off. ``seeds`` is -1 for unseeded rows; seeded rows draw their noise from
-    ``(seed, positions[row], token id)`` only. ``prompt_token_ids``/``output_token_ids`` feed
-    the penalties. ``num_logprobs`` is the largest ``logprobs`` asked for in the batch (0 = none).
+    ``(seed, positions[row], token id)`` only (the engine gives each of a prompt's n samples its
+    own seed). ``prompt_token_ids``/``output_token_ids`` feed the penalties. ``num_logprobs`` is the largest ``logprobs`` asked for in the batch (0 = none;
+    the engine turns a request's -1, "whole vocabulary", into the vocabulary size).
     """
 
     temperature: torch.Tensor  # [B] fp32

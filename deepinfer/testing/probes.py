@@ -12,7 +12,7 @@ from deepinfer.sampling_params import SamplingParams
 def prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """Logits [len(token_ids), vocab] of one uncached prefill through the engine's caches."""
     engine = llm.engine
-    request = Request("probe", 0, 0, None, list(token_ids), SamplingParams(), ())
+    request = Request("probe", 0, None, list(token_ids), SamplingParams(), ())
     engine.blocks.allocate(request.tables, 0, len(token_ids))
     try:
         batch = engine.batch_builder.build([(request, 0, len(token_ids))])
