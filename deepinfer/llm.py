@@ -81,16 +81,18 @@ class LLM:
         bar = tqdm(total=len(groups), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start = time.perf_counter()
         prompt_tokens = sum(len(g[0].prompt_token_ids) for g in groups)
-        done: set[str] = set()
+        by_id = {g[0].request_id: g for g in groups}
         while self.engine.has_unfinished():
-            self.engine.step()
-            completed = [g for g in groups if g[0].request_id not in done and all(r.finished for r in g)]
-            if completed and use_tqdm:
-                done.update(g[0].request_id for g in completed)
+            finished = self.engine.step()
+            if not use_tqdm or not finished:
+                continue
+            touched = {r.request_id for r in finished}
+            completed = sum(all(r.finished for r in by_id[request_id]) for request_id in touched)
+            if completed:
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 output_tokens = sum(r.num_output_tokens for g in groups for r in g)
                 bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.1f} toks/s, output: {output_tokens / elapsed:.1f} toks/s")
-                bar.update(len(completed))
+                bar.update(completed)
         bar.close()
 
     @staticmethod
@@ -99,7 +101,7 @@ class LLM:
         completions = [
             CompletionOutput(
                 index=r.sample_index,
-                text=r.text,
+                text=r.detokenizer.text,
                 token_ids=r.output_token_ids,
                 logprobs=r.logprobs,
                 cumulative_logprob=r.cumulative_logprob,

@@ -65,15 +65,13 @@ class OutputProcessor:
         if params.stop_token_ids and token in params.stop_token_ids:
             return self._finish(request, "stop", token)
         step = request.detokenizer.update([token])
-        request.text += step.text_delta
         if step.stop_string is not None:
-            return self._finish(request, "stop", step.stop_string, detokenized=True)
+            return self._finish(request, "stop", step.stop_string)
         if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
             return self._finish(request, "length", None)
         return False
 
-    def _finish(self, request: Request, reason: str, stop_reason, detokenized: bool = False) -> bool:
-        if not detokenized:
-            request.text += request.detokenizer.finish().text_delta
+    def _finish(self, request: Request, reason: str, stop_reason) -> bool:
+        request.detokenizer.finish()  # releases held-back text; a no-op after a stop string
         request.finish_reason, request.stop_reason = reason, stop_reason
         return True

@@ -31,8 +31,7 @@ class Request:
     status: Status = Status.WAITING
     tables: dict[str, list[int]] = field(default_factory=dict)
     block_hashes: list[bytes] = field(default_factory=list)
-    detokenizer: object = None
-    text: str = ""
+    detokenizer: object = None  # IncrementalDetokenizer; its .text is the output text
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
