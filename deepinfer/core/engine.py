@@ -21,8 +21,7 @@ from deepinfer.core.scheduler import Scheduler, SchedulerLimits
 from deepinfer.core.tokenizer import load_tokenizer
 from deepinfer.core.weights import load_state_dict
 from deepinfer.logger import init_logger
-from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
-from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from deepinfer.models.registry import checkpoint_naming, model_class, model_config
 from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
 
 logger = init_logger(__name__)
@@ -36,7 +35,7 @@ class LLMEngine:
         call_all("deepinfer_configure_engine", config=config)
         env = envs.get()
         model_dir = resolve_model_dir(config.model)
-        self.model_config = DeepseekV4ModelConfig.from_dir(model_dir)
+        self.model_config = model_config(model_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.device = config.torch_device(env.DEEPINFER_ACCELERATOR)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
@@ -57,8 +56,10 @@ class LLMEngine:
         self.sampler, _ = select_backend("deepinfer_sampler", config=config, device=self.device)
         dtype = config.torch_dtype(self.model_config.dtype)
         start = time.perf_counter()
-        self.model = DeepseekV4ForCausalLM(self.model_config, attention, moe, dtype)
-        self.model.load_tensors(load_state_dict(model_dir, self.model.expected_tensors()))
+        self.model = model_class(self.model_config)(self.model_config, attention, moe, dtype, tokenizer=self.tokenizer)
+        tensors = load_state_dict(model_dir, self.model.expected_tensors(), canonical=checkpoint_naming(self.model_config),
+                                  memory_mapped=self.model.memory_mapped, keep=self.model.kept_as_loaded)
+        self.model.load_tensors(tensors)
         self.model.to(self.device)
         logger.info("loaded %s (%s, %s) in %.1f s", model_dir, dtype, self.device, time.perf_counter() - start)
         self._refuse_unsupported_features()
@@ -85,7 +86,8 @@ class LLMEngine:
     def _build_caches(self) -> None:
         c, mc = self.config, self.model_config
         kinds = self.model.cache_kinds()
-        ratios = [r for r in set(mc.compress_ratios) if r]
+        overlaps = self.model.compressed_ratios()
+        ratios = list(overlaps)
         lcm = math.lcm(*ratios) if ratios else 1
         block_size = c.block_size or lcm * max(1, 64 // lcm)
         if block_size % lcm:
@@ -111,9 +113,9 @@ class LLMEngine:
         self.blocks = BlockManager(kinds, blocks, block_size, c.enable_prefix_caching)
         limits = SchedulerLimits(c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill)
         self.scheduler = Scheduler(limits, self.blocks)
-        overlaps = {r: 2 if r == mc.csa_ratio else 1 for r in ratios}
         rows = {k.name: self.cache.rows_per_block(k.name) for k in kinds}
-        self.batch_builder = ForwardBatchBuilder(mc.window, overlaps, block_size, rows, self.device)
+        self.batch_builder = ForwardBatchBuilder(mc.window, overlaps, block_size, rows, self.device,
+                                                 self.model.token_history)
         logger.info("cache: %d tokens of full-context state, block size %d, %.1f MiB", tokens, block_size, self.cache.nbytes() / 2**20)
 
     # -- requests -----------------------------------------------------------------------------

@@ -35,13 +35,15 @@ class ForwardBatch:
     window: torch.Tensor  # [T, W] raw KV slots each token attends to, -1 padded
     logits_rows: torch.Tensor  # [B] token rows whose next-token logits are needed
     compressed: dict[int, CompressedMeta] = field(default_factory=dict)
+    token_history: torch.Tensor | None = None  # [T, H] ids of the H tokens before each token, -1 before the start
 
     def to(self, device) -> "ForwardBatch":
         def move(obj, names):
             return [getattr(obj, name).to(device, non_blocking=True) for name in names]
 
         compressed = {r: CompressedMeta(m.ratio, m.overlap, *move(m, _META_FIELDS)) for r, m in self.compressed.items()}
-        return ForwardBatch(*move(self, _TENSOR_FIELDS), compressed=compressed)
+        history = None if self.token_history is None else self.token_history.to(device, non_blocking=True)
+        return ForwardBatch(*move(self, _TENSOR_FIELDS), compressed=compressed, token_history=history)
 
 
 _TENSOR_FIELDS = ("token_ids", "positions", "swa_slots", "window", "logits_rows")
@@ -51,9 +53,13 @@ _META_FIELDS = ("state_slots", "candidates", "close_rows", "close_slots", "close
 class ForwardBatchBuilder:
     """Turns the scheduled (request, first position, token count) triples into slot tensors."""
 
-    def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device):
+    def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device,
+                 token_history: int = 0):
         self.window = window
-        self.ratios = ratios  # compression ratio -> overlap (2 for CSA, 1 for HCA)
+        # compression ratio -> how many windows pool each compressor-state row (2 for V4's CSA, 1 for HCA and
+        # V4.1's ratio 2, 0 where no compressor state is kept)
+        self.ratios = ratios
+        self.token_history = token_history
         self.block_size = block_size
         self.rows_per_block = rows_per_block
         self.device = device
@@ -94,11 +100,22 @@ class ForwardBatchBuilder:
         )
         for ratio, overlap in self.ratios.items():
             batch.compressed[ratio] = self._compressed(requests, owner, positions, ratio, overlap)
+        if self.token_history:
+            batch.token_history = self._history(scheduled)
         return batch.to(self.device) if self.device is not None else batch
+
+    def _history(self, scheduled) -> torch.Tensor:
+        h = self.token_history
+        windows = []
+        for request, start, n in scheduled:
+            before = max(0, h - start)  # positions before the sequence start
+            ids = [-1] * before + request.token_ids[start - h + before : start + n - 1]
+            windows.append(torch.tensor(ids, dtype=torch.int64).unfold(0, h, 1))
+        return torch.cat(windows)
 
     def _compressed(self, requests, owner, positions, ratio: int, overlap: int) -> CompressedMeta:
         comp_kind, state_kind = f"comp{ratio}", f"state{ratio}"
-        comp, state = self._tables(requests, comp_kind), self._tables(requests, state_kind)
+        comp = self._tables(requests, comp_kind)
         visible = (positions + 1) // ratio
         entries = torch.arange(int(visible.max()))
         entry_pos = torch.where(entries < visible.unsqueeze(1), entries * ratio, -1)
@@ -106,12 +123,18 @@ class ForwardBatchBuilder:
         window_ids = visible[closing] - 1
         close_owner = owner[closing]
         row_pos = (window_ids - overlap + 1).unsqueeze(1) * ratio + torch.arange(overlap * ratio)
+        if overlap:
+            state = self._tables(requests, state_kind)
+            state_slots = self._slots(state, state_kind, owner, positions)
+            close_rows = self._slots(state, state_kind, close_owner.unsqueeze(1), row_pos)
+        else:
+            state_slots, close_rows = torch.empty(0, dtype=torch.int64), row_pos[:, :0]
         return CompressedMeta(
             ratio=ratio,
             overlap=overlap,
-            state_slots=self._slots(state, state_kind, owner, positions),
+            state_slots=state_slots,
             candidates=self._slots(comp, comp_kind, owner.unsqueeze(1), entry_pos),
-            close_rows=self._slots(state, state_kind, close_owner.unsqueeze(1), row_pos),
+            close_rows=close_rows,
             close_slots=self._slots(comp, comp_kind, close_owner, window_ids * ratio),
             close_positions=window_ids * ratio,
         )

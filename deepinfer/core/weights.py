@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
-from collections.abc import Iterator
+import struct
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from deepinfer.core.quantization import dequantize
 from deepinfer.models.deepseek_v4.weight_names import canonical_name, expert_slot, split_fused_experts
 
 logger = logging.getLogger(__name__)
@@ -55,18 +59,46 @@ class CheckpointIndex:
     def total_bytes(self) -> int:
         return sum((self.directory / f).stat().st_size for f in self.files)
 
-    def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+    def iter_tensors(self, progress: bool = False, memory_mapped: Callable[[str], bool] | None = None,
+                     ) -> Iterator[tuple[str, torch.Tensor, str]]:
         """(name, tensor, shard file name) for every tensor, shard by shard; only one tensor is read at a time.
 
-        Each shard's own header lists its tensors, so an index.json is only used to find the shards.
+        Each shard's own header lists its tensors, so an index.json is only used to find the shards. Tensors whose
+        name ``memory_mapped`` accepts are not read: they come back as read-only views of the mapped file.
         """
         bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc="Loading weights", disable=not progress)
         with bar:
             for file in self.files:
-                with safe_open(self.directory / file, framework="pt", device="cpu") as shard:
+                path = self.directory / file
+                with safe_open(path, framework="pt", device="cpu") as shard:
                     for name in shard.keys():
-                        yield name, shard.get_tensor(name), file
-                bar.update((self.directory / file).stat().st_size)
+                        if memory_mapped is not None and memory_mapped(name):
+                            yield name, _mapped_tensor(path, name), file
+                        else:
+                            yield name, shard.get_tensor(name), file
+                bar.update(path.stat().st_size)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _mapped_tensor(path: Path, name: str) -> torch.Tensor:
+    """A tensor backed by the file's pages (read-only mapping): nothing is read until it is indexed."""
+    with open(path, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        entry = json.loads(f.read(header_len))[name]
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    begin, end = entry["data_offsets"]
+    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+    with warnings.catch_warnings():  # read-only on purpose: the checkpoint must never be written through
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        raw = torch.frombuffer(memoryview(mapping), dtype=torch.uint8, count=end - begin, offset=8 + header_len + begin)
+    return raw.view(dtype).view(entry["shape"])
 
 
 @dataclass(slots=True)
@@ -102,8 +134,20 @@ def _source(name: str, checkpoint_name: str, file: str) -> str:
     return f"{name} (from {checkpoint_name} in {file})"
 
 
-def load_state_dict(model_dir: str | os.PathLike[str], expected: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
+def load_state_dict(
+    model_dir: str | os.PathLike[str],
+    expected: dict[str, TensorSpec],
+    *,
+    canonical: Callable[[str], str | None] = canonical_name,
+    memory_mapped: Callable[[str], bool] | None = None,
+    keep: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under canonical names, shaped and typed as ``expected`` says.
+
+    ``canonical`` maps checkpoint names onto the model's (None: not loaded). A quantized weight (FP8 or packed
+    MXFP4 with a ``.scale`` partner) that ``expected`` wants in a float dtype is dequantized once both halves have
+    arrived. ``memory_mapped`` names are returned as views of the file; ``keep`` names are returned as stored,
+    unchecked (the model keeps them for a later feature).
 
     Per-expert tensors are stacked into the expected [E, ...] tensor as they arrive, so peak memory is the result
     plus one checkpoint tensor. Raises one ValueError listing every missing, unexpected and mis-shaped tensor.
@@ -111,22 +155,44 @@ def load_state_dict(model_dir: str | os.PathLike[str], expected: dict[str, Tenso
     model_dir = Path(model_dir)
     loaded: dict[str, torch.Tensor] = {}
     experts_seen: dict[str, set[int]] = {}
+    halves: dict[str, dict[str, tuple[torch.Tensor, str]]] = {}  # quantized weight -> {"weight"/"scale": ...}
     mismatches = _Mismatches()
     skipped = 0
-    for checkpoint_name, tensor, file in CheckpointIndex.from_dir(model_dir).iter_tensors(progress=True):
-        canonical = canonical_name(checkpoint_name)
-        if canonical is None:
+
+    def place(name: str, tensor: torch.Tensor, source: str) -> None:
+        slot = expert_slot(name)
+        if slot is None:
+            _place_whole(name, tensor, source, expected, loaded, mismatches)
+        else:
+            _place_expert(name, *slot, tensor, source, expected, loaded, experts_seen, mismatches)
+
+    index = CheckpointIndex.from_dir(model_dir)
+    for checkpoint_name, tensor, file in index.iter_tensors(progress=True, memory_mapped=memory_mapped):
+        if keep is not None and keep(checkpoint_name):
+            loaded[checkpoint_name] = tensor
+            continue
+        name = canonical(checkpoint_name)
+        if name is None:
             skipped += 1
             continue
-        for name, part in split_fused_experts(canonical, tensor):
+        for name, part in split_fused_experts(name, tensor):
             source = _source(name, checkpoint_name, file)
-            slot = expert_slot(name)
-            if slot is None:
-                _place_whole(name, part, source, expected, loaded, mismatches)
+            base, _, leaf = name.rpartition(".")
+            if _wants_dequantized(name, part, expected):
+                pair = halves.setdefault(base, {})
+                pair[leaf] = (part, source)
+                if len(pair) == 2:
+                    del halves[base]
+                    place(f"{base}.weight", _dequantize_pair(pair, _expected_dtype(f"{base}.weight", expected)),
+                          pair["weight"][1])
             else:
-                _place_expert(name, *slot, part, source, expected, loaded, experts_seen, mismatches)
+                place(name, part, source)
+    for base, pair in halves.items():
+        (leaf, (_, source)), = pair.items()
+        other = "scale" if leaf == "weight" else "weight"
+        mismatches.unexpected.append(f"{source}: its {base}.{other} is missing from the checkpoint")
     if skipped:
-        logger.debug("Skipped %d MTP tensors in %s; DeepInfer does not load MTP weights yet", skipped, model_dir)
+        logger.debug("Skipped %d tensors in %s that this model does not use", skipped, model_dir)
     mismatches.missing += [n for n in expected if n not in loaded and n not in mismatches.misshaped_names]
     for stacked, seen in experts_seen.items():
         prefix, leaf = stacked.rsplit(".experts.", 1)
@@ -135,6 +201,30 @@ def load_state_dict(model_dir: str | os.PathLike[str], expected: dict[str, Tenso
     if mismatches:
         raise mismatches.error(model_dir)
     return loaded
+
+
+def _expected_dtype(name: str, expected: dict[str, TensorSpec]) -> torch.dtype | None:
+    slot = expert_slot(name)
+    spec = expected.get(name if slot is None else slot[0])
+    return None if spec is None else spec[1]
+
+
+def _wants_dequantized(name: str, tensor: torch.Tensor, expected: dict[str, TensorSpec]) -> bool:
+    """A quantized weight or its scale, for a model that wants the weight in a float dtype."""
+    base, _, leaf = name.rpartition(".")
+    if leaf == "scale":
+        return _expected_dtype(name, expected) is None and _expected_dtype(f"{base}.weight", expected) is not None
+    wanted = _expected_dtype(name, expected)
+    return leaf == "weight" and tensor.dtype in (torch.float8_e4m3fn, torch.int8) and wanted is not None \
+        and wanted.is_floating_point and wanted.itemsize > 1
+
+
+def _dequantize_pair(pair: dict[str, tuple[torch.Tensor, str]], dtype: torch.dtype) -> torch.Tensor:
+    (weight, source), (scale, _) = pair["weight"], pair["scale"]
+    try:
+        return dequantize(weight, scale, dtype)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
 
 
 def _place_whole(name: str, tensor: torch.Tensor, source: str, expected: dict[str, TensorSpec],

@@ -46,6 +46,18 @@ class AttentionBackend(Protocol):
         the ``min(topk, C)`` best visible candidates, [T, min(topk, C)], -1 where fewer exist.
         """
 
+    def indexer_scores(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        candidates: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same scores as ``indexer_topk``, unselected: [T, C] fp32, -inf where ``candidates`` is -1.
+
+        V4.1's two-level indexer selects blocks from them before it selects entries.
+        """
+
 
 @dataclass(slots=True)
 class ExpertWeights:

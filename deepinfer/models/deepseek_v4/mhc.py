@@ -8,6 +8,16 @@ from torch import nn
 from deepinfer.models.deepseek_v4.layers import unweighted_rms_norm
 
 
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Projects ``[..., n, n]`` logits towards a doubly-stochastic matrix (row softmax, then alternating sums)."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
 class HyperConnection(nn.Module):
     """Weights that collapse the streams into a sublayer's input and expand its output back.
 
@@ -31,11 +41,7 @@ class HyperConnection(nn.Module):
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        comb = sinkhorn(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), self.sinkhorn_iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return collapsed, post, comb
 

@@ -41,7 +41,10 @@ class Block(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: DeepseekV4ModelConfig, attention: AttentionBackend, moe: MoEBackend, dtype: torch.dtype):
+    token_history = 0  # no layer looks at earlier token ids
+
+    def __init__(self, config: DeepseekV4ModelConfig, attention: AttentionBackend, moe: MoEBackend, dtype: torch.dtype,
+                 tokenizer=None):
         super().__init__()
         c = self.config = config
         self.dtype = dtype
@@ -69,12 +72,25 @@ class DeepseekV4ForCausalLM(nn.Module):
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {self.checkpoint_name(k): (tuple(v.shape), v.dtype) for k, v in self.state_dict().items()}
 
+    @staticmethod
+    def memory_mapped(name: str) -> bool:
+        return False
+
+    @staticmethod
+    def kept_as_loaded(name: str) -> bool:
+        return False
+
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         own = self.state_dict()
         for path, target in own.items():
             target.copy_(tensors[self.checkpoint_name(path)])
 
     # -- caches -------------------------------------------------------------------------------
+    def compressed_ratios(self) -> dict[int, int]:
+        """Compression ratio -> how many windows pool each compressor-state row (CSA windows overlap)."""
+        c = self.config
+        return {r: 2 if r == c.csa_ratio else 1 for r in set(c.compress_ratios) if r}
+
     def cache_kinds(self) -> list[CacheKind]:
         c = self.config
         all_layers = tuple(range(c.num_layers))

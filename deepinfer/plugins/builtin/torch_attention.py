@@ -33,21 +33,23 @@ class TorchAttention:
             out[rows] = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
         return out
 
-    def indexer_topk(self, q, weights, keys, candidates, topk):
-        k = min(topk, candidates.shape[1])
-        selected = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
-        if k == 0:
-            return selected
+    def indexer_scores(self, q, weights, keys, candidates):
+        scores = torch.empty(candidates.shape, dtype=torch.float32, device=q.device)
         for rows in _query_chunks(q.shape[0], candidates.shape[1], q.shape[1] * q.shape[2]):
             cand = candidates[rows]
             dots = torch.einsum("thd,tcd->thc", q[rows].float(), keys[cand.clamp(min=0)].float()).relu()
-            scores = (dots * weights[rows].unsqueeze(-1)).sum(dim=1).masked_fill(cand < 0, float("-inf"))
-            # a stable sort breaks exact ties by candidate order (older entries first), so the
-            # choice does not depend on how many padded candidates the batch gave this query
-            values, order = scores.sort(dim=-1, descending=True, stable=True)
-            picked = cand.gather(1, order[:, :k])
-            selected[rows] = torch.where(values[:, :k] == float("-inf"), -1, picked)
-        return selected
+            scores[rows] = (dots * weights[rows].float().unsqueeze(-1)).sum(dim=1).masked_fill(cand < 0, float("-inf"))
+        return scores
+
+    def indexer_topk(self, q, weights, keys, candidates, topk):
+        k = min(topk, candidates.shape[1])
+        if k == 0:
+            return torch.full((q.shape[0], 0), -1, dtype=torch.int64, device=q.device)
+        # a stable sort breaks exact ties by candidate order (older entries first), so the
+        # choice does not depend on how many padded candidates the batch gave this query
+        values, order = self.indexer_scores(q, weights, keys, candidates).sort(dim=-1, descending=True, stable=True)
+        picked = candidates.gather(1, order[:, :k])
+        return torch.where(values[:, :k] == float("-inf"), -1, picked)
 
 
 @hookimpl(trylast=True)

@@ -1,0 +1,136 @@
+"""Engram: n-gram memory looked up by hash and gated into the residual streams (layers ``engram_layer_ids``).
+
+Token ids are first mapped onto a normalised vocabulary (NFKC, accents stripped, lower-cased, whitespace folded),
+so that spelling variants share memory. For every n-gram length 2..N ending at a token, a rolling XOR of
+``normalised id * odd multiplier`` is reduced modulo ``engram_n_heads`` distinct primes per length; each residue
+picks one row of the layer's table. Multipliers come from NumPy's PCG64 seeded with ``10007 * layer``; primes are
+the first unused ones above ``engram_vocab_size - 1``. Both are fixed by the release, so they are recomputed
+exactly rather than stored.
+
+Real tables hold ~384M rows of 256 FP8 values per layer (about 100 GB each), so they stay memory-mapped from the
+checkpoint and only the looked-up rows are read and dequantized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def normalised_vocabulary(tokenizer) -> tuple[list[int], int]:
+    """(normalised id of every token id, number of normalised ids)."""
+    from tokenizers import Regex, normalizers
+
+    placeholder = "\ue000"  # keeps a lone space from being stripped away
+    normalizer = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), placeholder),
+        normalizers.Strip(), normalizers.Replace(placeholder, " "),
+    ])
+    backend = tokenizer.backend_tokenizer
+    ids: dict[str, int] = {}
+    mapping = []
+    for token_id in range(len(tokenizer)):
+        text = backend.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:  # a partial UTF-8 sequence: keep the raw token, it has no text of its own
+            key = backend.id_to_token(token_id)
+        else:
+            key = normalizer.normalize_str(text) or text
+        mapping.append(ids.setdefault(key, len(ids)))
+    return mapping, len(ids)
+
+
+def _is_prime(n: int) -> bool:
+    return n == 2 or (n > 2 and n % 2 == 1 and all(n % d for d in range(3, math.isqrt(n) + 1, 2)))
+
+
+class NgramHasher(nn.Module):
+    """Table rows ``[T, layers, (N-1) * heads]`` for the tokens of a step, given each token's predecessors."""
+
+    def __init__(self, config, tokenizer):
+        super().__init__()
+        import numpy as np
+
+        mapping, size = normalised_vocabulary(tokenizer)
+        if size != config.engram_compressed_vocab_size:
+            raise ValueError(
+                f"the tokenizer normalises to {size} Engram ids but the config says engram_compressed_vocab_size="
+                f"{config.engram_compressed_vocab_size}; Engram hashes need the checkpoint's own tokenizer"
+            )
+        if len(mapping) < config.vocab_size:
+            mapping += [mapping[config.engram_pad_token_id]] * (config.vocab_size - len(mapping))
+        self.order = config.engram_max_ngram_size
+        self.heads = config.engram_n_heads
+        self.pad_id = mapping[config.engram_pad_token_id]
+        bound = max(1, (np.iinfo(np.int64).max // size) // 2)
+        used: set[int] = set()
+        primes, offsets, multipliers = [], [], []
+        for layer, rows in zip(config.engram_layer_ids, config.engram_num_embeddings):
+            layer_primes = []
+            for _ in range(self.order - 1):
+                candidate = config.engram_vocab_size - 1
+                for _ in range(self.heads):
+                    candidate += 1
+                    while not _is_prime(candidate) or candidate in used:
+                        candidate += 1
+                    used.add(candidate)
+                    layer_primes.append(candidate)
+            if sum(layer_primes) > rows:
+                raise ValueError(f"Engram layer {layer} needs {sum(layer_primes)} table rows for its hash buckets; "
+                                 f"engram_num_embeddings gives {rows}")
+            primes.append(layer_primes)
+            offsets.append([0] + list(np.cumsum(layer_primes[:-1])))
+            rng = np.random.default_rng(10007 * layer)
+            multipliers.append((rng.integers(0, bound, size=(self.order,), dtype=np.int64) * 2 + 1).tolist())
+        self.register_buffer("token_map", torch.tensor(mapping, dtype=torch.int64), persistent=False)
+        self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)
+        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.int64), persistent=False)
+        self.register_buffer("multipliers", torch.tensor(multipliers, dtype=torch.int64), persistent=False)
+
+    def forward(self, token_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """``token_ids`` [T]; ``history`` [T, N-1] the preceding ids, oldest first, -1 before the sequence start."""
+        ids = torch.cat([token_ids.unsqueeze(1), history.flip(1)], dim=1)  # [T, N]: current, previous, ...
+        started = (ids >= 0).cumprod(dim=1).bool()  # an n-gram reaching past position 0 is padded from there on
+        tokens = torch.where(started, self.token_map[ids.clamp(min=0)], self.pad_id)
+        products = tokens.unsqueeze(1) * self.multipliers  # [T, layers, N]
+        rolling, rows = products[..., 0], []
+        for length in range(1, self.order):
+            rolling = rolling ^ products[..., length]
+            heads = slice((length - 1) * self.heads, length * self.heads)
+            rows.append(rolling.unsqueeze(-1) % self.primes[:, heads])
+        return torch.cat(rows, dim=-1) + self.offsets
+
+
+class Engram(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        c = config
+        self.index = c.engram_layer_ids.index(layer_id)
+        self.hidden, self.hc_mult, self.eps = c.hidden_size, c.hc_mult, c.rms_norm_eps
+        lookups = (c.engram_max_ngram_size - 1) * c.engram_n_heads
+        self.wkv = nn.Linear(lookups * c.engram_head_dim, c.hidden_size * (c.hc_mult + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
+        # FP8 rows and their per-32-channel scales, memory-mapped from the checkpoint (set by the loader)
+        self.table: torch.Tensor | None = None
+        self.table_scale: torch.Tensor | None = None
+
+    def lookup(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        flat = rows.flatten().cpu()
+        values = self.table[flat].float()
+        scales = self.table_scale[flat].float().repeat_interleave(values.shape[-1] // self.table_scale.shape[-1], -1)
+        return (values * scales).to(device=rows.device, dtype=dtype).view(rows.shape[0], -1)
+
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``streams`` [T, hc, D]; ``rows`` [T, lookups] table rows of this layer."""
+        memory = self.lookup(rows, streams.dtype)
+        key, value = self.wkv(memory).split((self.hc_mult * self.hidden, self.hidden), dim=-1)
+        key = key.float().unflatten(-1, (self.hc_mult, self.hidden))
+        hidden = streams.float()
+        rstd = torch.rsqrt(hidden.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (hidden * (self.q_weight.float() * self.k_weight.float()) * key).sum(-1) * rstd * self.hidden**-0.5
+        # a sigmoid of the signed square root keeps the gate responsive for small and large similarities alike
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        return (hidden + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)

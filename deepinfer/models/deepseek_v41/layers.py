@@ -1,0 +1,86 @@
+"""V4.1's RoPE and single-pass mHC.
+
+RoPE rotates the trailing ``rope_dim`` channels as complex pairs, the way the released model does: the rounding of
+that product decides which FP8/FP4 bin the cached values fall into, so it is reproduced as is.
+
+Single-pass mHC: every sublayer predicts its own (pre, post, comb) from the streams it receives, but collapses
+those streams with the ``pre`` of the sublayer before it; the last ``pre`` collapses the streams for the head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.models.deepseek_v4.mhc import sinkhorn
+
+
+class ComplexRotary:
+    def __init__(self, config, compressed: bool):
+        dim = config.rope_head_dim
+        theta = config.compress_rope_theta if compressed else config.rope_theta
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        yarn = config.yarn if compressed else None
+        if yarn is not None:
+            def pair_index(rotations: float) -> float:
+                return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+            low = max(math.floor(pair_index(yarn.beta_fast)), 0)
+            high = min(math.ceil(pair_index(yarn.beta_slow)), dim - 1)
+            ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+            freqs = freqs / yarn.factor * ramp + freqs * (1 - ramp)
+        self.freqs = freqs
+        self.rope_dim = dim
+
+    def phases(self, positions: torch.Tensor) -> torch.Tensor:
+        """Unit complex numbers ``[T, rope_dim/2]``."""
+        angles = positions.float().unsqueeze(-1) * self.freqs.to(positions.device)
+        return torch.polar(torch.ones_like(angles), angles)
+
+    def apply(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x`` is [T, D] or [T, heads, D]."""
+        pairs = torch.view_as_complex(x[..., -self.rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
+        if x.dim() == 3:
+            phases = phases.unsqueeze(1)
+        if inverse:
+            phases = phases.conj()
+        rotated = torch.view_as_real(pairs * phases).flatten(-2).to(x.dtype)
+        return torch.cat((x[..., : -self.rope_dim], rotated), dim=-1)
+
+
+class MixPredictor(nn.Module):
+    """One sublayer's mHC coefficients: ``pre`` [T, n], ``post`` [T, n], ``comb`` [T, n, n], all fp32."""
+
+    def __init__(self, hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        n = self.hc_mult = hc_mult
+        self.sinkhorn_iters, self.hc_eps, self.norm_eps = sinkhorn_iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden, dtype=torch.float32), requires_grad=False)
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, streams: torch.Tensor):
+        n = self.hc_mult
+        flat = streams.flatten(1).float()
+        # project first, then scale by the RMS, as the released kernel does
+        mixes = F.linear(flat, self.fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
+        logits = torch.addcmul(self.base, mixes, scales)
+        pre = torch.sigmoid(logits[:, :n]) + self.hc_eps
+        post = 2 * torch.sigmoid(logits[:, n : 2 * n])
+        comb = sinkhorn(logits[:, 2 * n :].unflatten(-1, (n, n)), self.sinkhorn_iters, self.hc_eps)
+        return pre, post, comb
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+
+
+def expand(output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams ``post * output + comb^T @ residual`` (``comb[i, o]`` carries input stream i to output o)."""
+    update = post.unsqueeze(-1) * output.unsqueeze(-2)
+    mixed = (comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(1)
+    return (update + mixed).to(output.dtype)

@@ -1,0 +1,173 @@
+"""DeepSeek-V4.1 (V4.1-Flash) on DeepInfer's paged caches.
+
+Checkpoint layout (the released Hugging Face repository; these names are used as is):
+
+* ``embed.weight``, ``head.weight``, ``norm.weight`` (bf16; no ``hc_head``: the last ``pre`` collapses the streams)
+* ``layers.N.{attn_norm,ffn_norm}.weight``, ``layers.N.hc_{attn,ffn}_{fn,base,scale}`` (fp32, scale has 3 entries)
+* ``layers.N.attn.{wq_a,wq_b,wkv,wo_a,wo_b}.{weight,scale}`` FP8 e4m3 with e8m0 scales per 32x32 block;
+  ``attn.{q_norm,kv_norm}.weight``, ``attn.attn_sink`` (fp32)
+* KV sources: ``attn.compressor.{wkv,wgate}.weight`` (fp32; ratio 1 has no ``wgate``), ``attn.compressor.norm.weight``,
+  ``attn.indexer.{wk,k_norm}.weight``; index sources: ``attn.indexer.wq_b.{weight,scale}``,
+  ``attn.indexer.weights_proj.weight``
+* ``layers.N.ffn.gate.{weight,bias,bias_vl}`` (bias_vl routes image tokens), ``ffn.shared_experts.w{1,2,3}`` FP8,
+  ``ffn.experts.E.w{1,2,3}.{weight,scale}`` MXFP4 (int8, two e2m1 per byte, e8m0 scale per 32 inputs)
+* Engram layers: ``layers.N.engram.embed.{weight,scale}`` (FP8 rows, e8m0 per 32 channels),
+  ``engram.wkv.{weight,scale}`` FP8, ``engram.{q_weight,k_weight}`` [hc_mult, hidden]
+* ``mtp.{0,1,2}.*``: the DSpark draft stages (kept as loaded for speculative decoding)
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from deepinfer.core.forward_batch import ForwardBatch
+from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
+from deepinfer.models.deepseek_v4.layers import RMSNorm
+from deepinfer.models.deepseek_v4.moe import MoE
+from deepinfer.models.deepseek_v41.attention import Attention, Selection
+from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
+from deepinfer.models.deepseek_v41.engram import Engram, NgramHasher
+from deepinfer.models.deepseek_v41.layers import ComplexRotary, MixPredictor, collapse, expand
+from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend
+
+# Tensors kept in fp32 whatever the model dtype (as the release ships or computes them).
+_FP32_SUFFIXES = ("norm.weight", "attn_sink", "gate.bias", "gate.bias_vl", "compressor.wkv.weight",
+                  "compressor.wgate.weight", "head.weight")
+_HC_NAMES = re.compile(r"(hc_attn|hc_ffn)\.(fn|base|scale)$")
+_ENGRAM_TABLE = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)$")
+
+
+class Block(nn.Module):
+    def __init__(self, config: DeepseekV41ModelConfig, layer_id: int, rotary: ComplexRotary,
+                 attention: AttentionBackend, moe: MoEBackend):
+        super().__init__()
+        c = config
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_attn = MixPredictor(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.hc_ffn = MixPredictor(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn = Attention(c, layer_id, rotary, attention)
+        self.ffn = MoE(c, False, moe)
+        self.ffn.gate.register_buffer("bias_vl", torch.zeros(c.n_routed_experts, dtype=torch.float32))
+        self.engram = Engram(c, layer_id) if layer_id in c.engram_layer_ids else None
+
+    def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection, engram_rows):
+        if self.engram is not None:
+            streams = self.engram(streams, engram_rows[:, self.engram.index])
+        attn_pre, post, comb = self.hc_attn(streams)
+        out = self.attn(self.attn_norm(collapse(streams, pre)), batch, phases, caches, selection)
+        streams = expand(out, streams, post, comb)
+        ffn_pre, post, comb = self.hc_ffn(streams)
+        out = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), batch.token_ids)
+        return expand(out, streams, post, comb), ffn_pre
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    def __init__(self, config: DeepseekV41ModelConfig, attention: AttentionBackend, moe: MoEBackend,
+                 dtype: torch.dtype, tokenizer=None):
+        super().__init__()
+        c = self.config = config
+        self.dtype = dtype
+        self.rotary_main = ComplexRotary(c, compressed=False)
+        self.rotary_compress = ComplexRotary(c, compressed=True)
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe)
+            for i in range(c.num_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        for name, tensor in self.state_dict().items():
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(torch.float32 if name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) else dtype)
+        if c.engram_layer_ids:
+            if tokenizer is None:
+                raise ValueError("DeepSeek-V4.1's Engram layers hash normalised token ids and need the tokenizer")
+            self.ngram_hasher = NgramHasher(c, tokenizer)
+        else:
+            self.ngram_hasher = None
+        # DSpark draft stages as loaded (mtp.*); the speculative-decoding plugin builds on them
+        self.draft_tensors: dict[str, torch.Tensor] = {}
+        self.requires_grad_(False)
+
+    # -- weights ------------------------------------------------------------------------------
+    @staticmethod
+    def checkpoint_name(module_path: str) -> str:
+        return _HC_NAMES.sub(lambda m: f"{m.group(1)}_{m.group(2)}", module_path)
+
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        expected = {self.checkpoint_name(k): (tuple(v.shape), v.dtype) for k, v in self.state_dict().items()}
+        c = self.config
+        for layer, rows in zip(c.engram_layer_ids, c.engram_num_embeddings):
+            expected[f"layers.{layer}.engram.embed.weight"] = ((rows, c.engram_head_dim), torch.float8_e4m3fn)
+            expected[f"layers.{layer}.engram.embed.scale"] = ((rows, c.engram_head_dim // 32), torch.float8_e8m0fnu)
+        return expected
+
+    @staticmethod
+    def memory_mapped(name: str) -> bool:
+        """Engram tables are read in place from the checkpoint files."""
+        return _ENGRAM_TABLE.match(name) is not None
+
+    @staticmethod
+    def kept_as_loaded(name: str) -> bool:
+        return name.startswith("mtp.")
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for path, target in self.state_dict().items():
+            target.copy_(tensors[self.checkpoint_name(path)])
+        for layer in self.layers:
+            if layer.engram is not None:
+                i = self.config.engram_layer_ids[layer.engram.index]
+                layer.engram.table = tensors[f"layers.{i}.engram.embed.weight"]
+                layer.engram.table_scale = tensors[f"layers.{i}.engram.embed.scale"]
+        self.draft_tensors = {name: t for name, t in tensors.items() if self.kept_as_loaded(name)}
+        stages = {int(name.split(".")[1]) for name in self.draft_tensors}
+        if stages and stages != set(range(self.config.num_nextn_predict_layers)):
+            raise ValueError(f"checkpoint has DSpark stages mtp.{sorted(stages)} but num_nextn_predict_layers is "
+                             f"{self.config.num_nextn_predict_layers}")
+
+    # -- caches -------------------------------------------------------------------------------
+    def compressed_ratios(self) -> dict[int, int]:
+        """Compression ratio -> pooling overlap (0: no compressor state is kept for it)."""
+        return {r: (1 if r > 1 else 0) for r in set(self.config.compress_ratios) if r}
+
+    @property
+    def token_history(self) -> int:
+        return self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
+
+    def cache_kinds(self) -> list[CacheKind]:
+        c = self.config
+        kinds = [sliding_kind("swa", c.window, (Pool("kv", tuple(range(c.num_layers)), c.head_dim, self.dtype),))]
+        for ratio in sorted(self.compressed_ratios()):
+            sources = tuple(s for s in c.kv_source_layer_ids if c.compress_ratios[s] == ratio)
+            kinds.append(CacheKind(f"comp{ratio}", ratio, (Pool("kv", sources, c.head_dim, self.dtype),
+                                                           Pool("index", sources, c.index_head_dim, self.dtype))))
+            if ratio > 1:
+                state = (Pool("kv", sources, 2 * c.head_dim, torch.float32),)
+                kinds.append(compressor_state_kind(f"state{ratio}", ratio, 1, state))
+        return kinds
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, caches: KVCache) -> torch.Tensor:
+        """The collapsed hidden state [T, hidden] of every token in the step (before the final norm)."""
+        x = self.embed(batch.token_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        pre = torch.zeros(x.shape[0], self.config.hc_mult, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1  # the first sublayer reads stream 0, the embedding
+        phases = {
+            self.rotary_main: self.rotary_main.phases(batch.positions),
+            self.rotary_compress: self.rotary_compress.phases(batch.positions),
+        }
+        rows = None
+        if self.ngram_hasher is not None:
+            rows = self.ngram_hasher(batch.token_ids, batch.token_history)
+        selection = Selection()
+        for layer in self.layers:
+            streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, rows)
+        return collapse(streams, pre)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(hidden).float())

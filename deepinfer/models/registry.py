@@ -1,0 +1,46 @@
+"""Which model class serves a checkpoint, chosen by its ``config.json`` ``model_type``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
+from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v4.weight_names import canonical_name
+from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
+from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+MODELS: dict[str, tuple[type, type]] = {
+    "deepseek_v4": (DeepseekV4ModelConfig, DeepseekV4ForCausalLM),
+    "deepseek_v41": (DeepseekV41ModelConfig, DeepseekV41ForCausalLM),
+    "deepseek_v41_text": (DeepseekV41ModelConfig, DeepseekV41ForCausalLM),
+}
+
+
+def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"No config.json in model directory {str(model_dir)!r}")
+    return json.loads(config_file.read_text())
+
+
+def model_config(model_dir: str | os.PathLike[str]):
+    d = read_config(model_dir)
+    model_type = d.get("model_type")
+    if model_type not in MODELS:
+        raise ValueError(f"Unsupported model_type {model_type!r} in {model_dir}; supported: {sorted(MODELS)}")
+    return MODELS[model_type][0].from_dict(d)
+
+
+def model_class(config) -> type:
+    return DeepseekV41ForCausalLM if isinstance(config, DeepseekV41ModelConfig) else DeepseekV4ForCausalLM
+
+
+def checkpoint_naming(config):
+    """Maps checkpoint names onto the model's: V4 ships in three namings, V4.1 in DeepSeek's own only."""
+    if isinstance(config, DeepseekV41ModelConfig):
+        return lambda name: name.removeprefix("model.")
+    return canonical_name
