@@ -80,9 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    from transformers import AutoConfig
+    from deepinfer.models.registry import model_config
 
-    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    vocab = model_config(args.model).vocab_size
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     results = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",

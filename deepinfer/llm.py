@@ -128,6 +128,9 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
     for i, prompt in enumerate(prompts):
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            raise NotImplementedError(f"prompts[{i}] has multi_modal_data: image inputs are not supported yet "
+                                      "(DeepSeek-V4.1's vision tower is not implemented); pass text only")
         if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)):
             raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(prompt).__name__}")
     return list(prompts)

@@ -136,3 +136,14 @@ def test_quantized_weight_without_scale_is_named(tmp_path):
     save_file(tensors, tmp_path / "m" / "model.safetensors")
     with pytest.raises(ValueError, match=r"layers\.3\.attn\.wq_b\.scale is missing"):
         LLM(str(tmp_path / "m"), dtype="float32")
+
+
+def test_image_inputs_are_refused_clearly(llm):
+    with pytest.raises(NotImplementedError, match="image inputs are not supported"):
+        llm.generate([{"prompt": "x", "multi_modal_data": {"image": None}}], use_tqdm=False)
+    llm.engine.model_config.image_token_id = 7  # the tiny vocabulary cannot hold the real id 129264
+    try:
+        with pytest.raises(NotImplementedError, match="image token 7"):
+            llm.generate([[0, 7, 9]], use_tqdm=False)
+    finally:
+        llm.engine.model_config.image_token_id = 129264

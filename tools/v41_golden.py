@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,81 +32,19 @@ import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast
 
-from deepinfer.core.quantization import quantize_fp4, quantize_fp8
 from deepinfer.testing.tiny_tokenizer import build_tiny_tokenizer
+from deepinfer.testing.tiny_v41 import TINY_V41, released_format
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
-
-# Layer kinds: 0-1 window only (1 with Engram); 2 ratio-2 KV+index source; 3 reuses 2; 4 re-indexes over 2's
-# keys; 5 ratio-1 KV source that publishes candidate blocks; 6 reuses 5; 7 re-indexes inside 5's candidates
-# (with Engram); 8 window-only decoder layer.
-TINY_V41 = dict(
-    vocab_size=512,
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_hidden_layers=9,
-    num_attention_heads=4,
-    head_dim=64,
-    qk_rope_head_dim=16,
-    q_lora_rank=32,
-    o_lora_rank=32,
-    o_groups=2,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    sliding_window=8,
-    compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0] + [0, 0, 0],  # + the three DSpark stages
-    kv_source_layer_ids=[2, 5],
-    index_source_layer_ids=[2, 4, 5, 7],
-    index_n_heads=16,  # many heads: an all-negative (relu 0) score tie, broken arbitrarily by torch.topk, is rare
-    index_head_dim=32,
-    index_topk=4,
-    candidate_source_layer_id=5,
-    candidate_topk_blocks=3,
-    candidate_block_size=2,
-    engram_layer_ids=[1, 7],
-    engram_max_ngram_size=3,
-    engram_vocab_size=97,
-    engram_n_heads=2,
-    engram_head_dim=32,
-    num_nextn_predict_layers=3,
-    dspark_block_size=3,
-    dspark_noise_token_id=3,
-    dspark_target_layer_ids=[6, 7, 8],
-    dspark_markov_rank=8,
-    dspark_n_routed_experts=4,
-    dspark_num_experts_per_tok=2,
-    max_position_embeddings=1024,
-    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
-                  "original_max_position_embeddings": 256},
-)
-
-_FP8_BLOCK = re.compile(
-    r"(?:layers|mtp)\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight"
-)
-_FP4 = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
-_FP8_ROWS = re.compile(r"layers\.\d+\.engram\.embed\.weight")
-# Shipped in fp32 in the release; everything else unquantized is bf16.
-_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|ffn\.gate\.bias(_vl)?|compressor\.(wkv|wgate)\.weight)$")
 
 PROMPT_LENGTHS = (45, 21, 64)
 GREEDY_TOKENS = 24
 
 
 def released_tensors(native: dict[str, torch.Tensor], adapter) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, value in adapter.to_hf(native).items():
-        value = value.detach().float().contiguous()
-        if _FP8_BLOCK.fullmatch(name):
-            out[name], out[name.removesuffix("weight") + "scale"] = quantize_fp8(value, 32, 32)
-        elif _FP4.fullmatch(name):
-            out[name], out[name.removesuffix("weight") + "scale"] = quantize_fp4(value)
-        elif _FP8_ROWS.fullmatch(name):
-            out[name], out[name.removesuffix("weight") + "scale"] = quantize_fp8(value, 1, 32)
-        else:
-            out[name] = value if _FP32.search(name) else value.to(torch.bfloat16)
-    return out
+    return released_format(adapter.to_hf(native))
 
 
 def dspark_tensors(config, seed: int) -> dict[str, torch.Tensor]:
@@ -157,8 +94,6 @@ def main(out_dir: str, seed: int = 0, prompt_seed: int = 1) -> None:
     _, compressed_vocab = _compressed_token_map(tokenizer)
     rows = []
     text = dict(TINY_V41, engram_compressed_vocab_size=compressed_vocab, dtype="float32")
-    # Table rows: just enough for each layer's hash buckets (the reference checks the sum of its primes).
-    text["engram_num_embeddings"] = [2000, 2000]
     config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}, dtype="float32")
     torch.manual_seed(seed)
     backend = BackendConfig(attn="eager", experts="torch", dispatcher="torch", linear="torch", rms_norm="torch_fp32",

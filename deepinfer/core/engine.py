@@ -131,6 +131,12 @@ class LLMEngine:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request.request_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        image_token = getattr(self.model_config, "image_token_id", None)
+        if image_token is not None and image_token in request.prompt_token_ids:
+            raise NotImplementedError(
+                f"request {request.request_id}: the prompt contains the image token {image_token}; image inputs "
+                "are not supported yet (DeepSeek-V4.1's vision tower is not implemented)"
+            )
         self.outputs.start(request)
         self.scheduler.add(request)
 

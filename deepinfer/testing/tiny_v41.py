@@ -1,0 +1,145 @@
+"""Tiny random DeepSeek-V4.1 checkpoints in the released format, written without any reference implementation.
+
+``TINY_V41`` gives every layer kind the engine implements one layer: 0-1 window only (1 with Engram); 2 a ratio-2
+KV and index source; 3 reuses 2; 4 re-indexes 2's keys; 5 a ratio-1 KV source publishing candidate blocks; 6 reuses
+5; 7 re-indexes inside 5's candidates (with Engram); 8 a window-only decoder layer; plus three DSpark entries.
+``tools/v41_golden.py`` builds the NeMo AutoModel fixture from the same dict.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from deepinfer.core.quantization import quantize_fp4, quantize_fp8
+from deepinfer.testing.tiny_tokenizer import build_tiny_tokenizer
+
+TINY_V41 = dict(
+    vocab_size=512,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=9,
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=32,
+    o_lora_rank=32,
+    o_groups=2,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    hc_mult=4,
+    compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0] + [0, 0, 0],  # + the three DSpark stages
+    kv_source_layer_ids=[2, 5],
+    index_source_layer_ids=[2, 4, 5, 7],
+    # many heads: an all-negative (relu 0) score tie, broken arbitrarily by torch.topk, is rare
+    index_n_heads=16,
+    index_head_dim=32,
+    index_topk=4,
+    candidate_source_layer_id=5,
+    candidate_topk_blocks=3,
+    candidate_block_size=2,
+    engram_layer_ids=[1, 7],
+    engram_num_embeddings=[2000, 2000],
+    engram_max_ngram_size=3,
+    engram_vocab_size=97,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    num_nextn_predict_layers=3,
+    dspark_block_size=3,
+    dspark_noise_token_id=3,
+    dspark_target_layer_ids=[6, 7, 8],
+    dspark_markov_rank=8,
+    dspark_n_routed_experts=4,
+    dspark_num_experts_per_tok=2,
+    max_position_embeddings=1024,
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                  "original_max_position_embeddings": 256},
+)
+
+# Which tensors the release stores in which format.
+FP8_BLOCK = re.compile(
+    r"(?:layers|mtp)\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+    r"|engram\.wkv)\.weight"
+)
+FP4_EXPERT = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+FP8_ROWS = re.compile(r"layers\.\d+\.engram\.embed\.weight")
+FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|ffn\.gate\.bias(_vl)?|compressor\.(wkv|wgate)\.weight)$")
+
+
+def released_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 tensors under released names -> the released dtypes (FP8/MXFP4 + e8m0 scales, fp32, else bf16)."""
+    out = {}
+    for name, value in tensors.items():
+        value = value.detach().float().contiguous()
+        scale = name.removesuffix("weight") + "scale"
+        if FP8_BLOCK.fullmatch(name):
+            out[name], out[scale] = quantize_fp8(value, 32, 32)
+        elif FP4_EXPERT.fullmatch(name):
+            out[name], out[scale] = quantize_fp4(value)
+        elif FP8_ROWS.fullmatch(name):
+            out[name], out[scale] = quantize_fp8(value, 1, 32)
+        else:
+            out[name] = value if FP32.search(name) else value.to(torch.bfloat16)
+    return out
+
+
+def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write config.json, model.safetensors (random weights, released format) and a tokenizer; return the dir."""
+    from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
+    from deepinfer.models.deepseek_v41.engram import normalised_vocabulary
+    from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from deepinfer.plugins.builtin.torch_attention import TorchAttention
+    from deepinfer.plugins.builtin.torch_moe import TorchMoE
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = {**TINY_V41, **overrides, "model_type": "deepseek_v41_text", "dtype": "bfloat16"}
+    build_tiny_tokenizer(out, vocab_size=text["vocab_size"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    text["engram_compressed_vocab_size"] = normalised_vocabulary(tokenizer)[1]
+    d = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": text,
+         "vision_config": {"num_hidden_layers": 0}, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+    config = DeepseekV41ModelConfig.from_dict(d)
+    model = DeepseekV41ForCausalLM(config, TorchAttention(), TorchMoE(), torch.float32, tokenizer)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, spec in model.expected_tensors().items():
+        if name.endswith("engram.embed.scale"):
+            continue
+        shape = spec[0]
+        per_expert = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(w[123]\.weight)", name)
+        value = _draw(name, shape, config, g)
+        if per_expert:
+            for e in range(shape[0]):
+                tensors[f"{per_expert.group(1)}.{e}.{per_expert.group(2)}"] = value[e]
+        else:
+            tensors[name] = value
+    save_file(released_format(tensors), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(d, indent=2))
+    return out
+
+
+def _draw(name: str, shape, config, g: torch.Generator) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std
+
+    if name.endswith(("norm.weight", "q_weight", "k_weight")):
+        return 1 + normal(0.2)
+    if name.endswith(("_base", "attn_sink")):
+        return normal(0.5)
+    if name.endswith("_scale"):
+        return 0.5 + torch.rand(shape, generator=g)
+    if name.endswith("_fn"):
+        return normal(0.05)
+    if name.endswith(("gate.bias", "gate.bias_vl")):
+        return normal(0.1)
+    if name.endswith(("embed.weight",)):
+        return normal(1.0)
+    std = shape[-1] ** -0.5
+    return normal(4 * std if name == "head.weight" else std)
