@@ -147,3 +147,13 @@ def test_image_inputs_are_refused_clearly(llm):
             llm.generate([[0, 7, 9]], use_tqdm=False)
     finally:
         llm.engine.model_config.image_token_id = 129264
+
+
+def test_make_tiny_writes_a_loadable_v41(tmp_path):
+    from deepinfer.testing.make_tiny import main
+
+    main([str(tmp_path / "tiny"), "--seed", "3"])
+    llm = LLM(str(tmp_path / "tiny"), dtype="float32")
+    assert llm.engine.model_config.kv_source_layer_ids == [2, 5]
+    out = _greedy(llm, [[0, 5, 6, 7, 8, 9, 10, 11, 12, 13]], 12)
+    assert len(out[0]) == 12
