@@ -101,6 +101,8 @@ def _config() -> dict:
     ({"engram_num_embeddings": [2000]}, "one table size per"),
     ({"n_shared_experts": 2}, "exactly one shared expert"),
     ({"rms_norm_eps": 0}, "rms_norm_eps must be finite and positive"),
+    ({"dspark_target_layer_ids": [7, 8, 9]}, "dspark_target_layer_ids"),
+    ({"dspark_block_size": 0}, "dspark_block_size must be positive"),
 ])
 def test_config_errors_name_the_problem(change, message):
     d = _config()

@@ -243,3 +243,10 @@ def _validate(c: DeepseekV41ModelConfig) -> None:
             raise ValueError(f"engram_pad_token_id {c.engram_pad_token_id} is outside the vocabulary")
     if c.num_nextn_predict_layers < 0:
         raise ValueError(f"num_nextn_predict_layers must be >= 0; got {c.num_nextn_predict_layers}")
+    if c.num_nextn_predict_layers:
+        targets = c.dspark.get("dspark_target_layer_ids", [])
+        if any(not 0 <= int(t) < c.num_layers for t in targets):
+            raise ValueError(f"dspark_target_layer_ids {targets} refers to layers outside 0..{c.num_layers - 1}")
+        for name in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok"):
+            if name in c.dspark and int(c.dspark[name]) <= 0:
+                raise ValueError(f"{name} must be positive when num_nextn_predict_layers > 0; got {c.dspark[name]}")
