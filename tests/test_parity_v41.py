@@ -28,7 +28,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
 
 @pytest.fixture(scope="module")
 def goldens():
-    return torch.load(FIXTURE / "golden.pt")["goldens"]
+    return torch.load(FIXTURE / "golden.pt", weights_only=True)["goldens"]
 
 
 @pytest.fixture(scope="module")
