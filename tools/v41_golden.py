@@ -92,7 +92,6 @@ def main(out_dir: str, seed: int = 0, prompt_seed: int = 1) -> None:
     build_tiny_tokenizer(out, vocab_size=TINY_V41["vocab_size"])
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
     _, compressed_vocab = _compressed_token_map(tokenizer)
-    rows = []
     text = dict(TINY_V41, engram_compressed_vocab_size=compressed_vocab, dtype="float32")
     config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}, dtype="float32")
     torch.manual_seed(seed)
@@ -101,8 +100,7 @@ def main(out_dir: str, seed: int = 0, prompt_seed: int = 1) -> None:
     model = DeepseekV41ForCausalLM(config, backend=backend, tokenizer=tokenizer).float()
     model.initialize_weights(dtype=torch.float32)
     randomize(model, seed)
-    engram_primes = model.model.engram_hash.primes.sum(-1).tolist()
-    rows = [int(p) for p in engram_primes]
+    rows = [int(p) for p in model.model.engram_hash.primes.sum(-1).tolist()]
 
     tensors = released_tensors(model.state_dict(), model.state_dict_adapter)
     tensors.update(dspark_tensors(config, seed))

@@ -20,6 +20,13 @@ def _linear(rows: int, cols: int) -> nn.Linear:
     return nn.Linear(cols, rows, bias=False)
 
 
+def grouped_output(o: torch.Tensor, wo_a: nn.Linear, wo_b: nn.Linear, groups: int) -> torch.Tensor:
+    """Output projection: each group of heads [T, H/g * D] has its own low-rank ``wo_a`` block, then ``wo_b``."""
+    grouped = o.reshape(o.shape[0], groups, -1)
+    mixed = torch.einsum("tgd,grd->tgr", grouped, wo_a.weight.view(groups, -1, grouped.shape[-1]))
+    return wo_b(mixed.flatten(1))
+
+
 class Compressor(nn.Module):
     """Pools ``ratio`` tokens into one entry by a per-channel softmax over gated scores.
 
@@ -133,7 +140,4 @@ class Attention(nn.Module):
 
         o = self.backend.sparse_attention(q, sources, self.attn_sink, self.scale)
         o = self.rotary.apply(o, cos_sin, inverse=True)
-        grouped = o.reshape(num_tokens, self.o_groups, -1)
-        wo_a = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
-        mixed = torch.einsum("tgd,grd->tgr", grouped, wo_a).flatten(1)
-        return self.wo_b(mixed)
+        return grouped_output(o, self.wo_a, self.wo_b, self.o_groups)

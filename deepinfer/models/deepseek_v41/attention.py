@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
+from deepinfer.models.deepseek_v4.attention import grouped_output
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v41.cache_formats import round_fp8, round_mxfp4, round_nvfp4
 from deepinfer.models.deepseek_v41.layers import ComplexRotary
@@ -167,6 +168,4 @@ class Attention(nn.Module):
             sources.append((caches.pool(f"comp{self.ratio}", "kv", self.source), selection.slots))
         o = self.backend.sparse_attention(q, sources, self.attn_sink, self.scale)
         o = self.rotary.apply(o, phases, inverse=True)
-        grouped = o.reshape(num_tokens, self.o_groups, -1)
-        wo_a = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("tgd,grd->tgr", grouped, wo_a).flatten(1))
+        return grouped_output(o, self.wo_a, self.wo_b, self.o_groups)
