@@ -10,7 +10,7 @@ import torch
 # (subnormal floats make CPU kernels ~100x slower; see LLMEngine).
 torch.set_flush_denormal(True)
 
-from deepinfer import bench  # noqa: E402
+from deepinfer import bench, bench_load  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,9 +19,10 @@ def main(argv: list[str] | None = None) -> None:
     bench_parser = commands.add_parser("bench", help="benchmarks")
     kinds = bench_parser.add_subparsers(dest="kind", required=True)
     bench.add_arguments(kinds.add_parser("throughput", help="offline throughput, optionally against HF transformers"))
+    bench_load.add_arguments(kinds.add_parser("load", help="load time and peak host memory"))
     args = parser.parse_args(argv)
-    if args.command == "bench" and args.kind == "throughput":
-        bench.main(args)
+    if args.command == "bench":
+        {"throughput": bench.main, "load": bench_load.main}[args.kind](args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.plugins import hookimpl

@@ -16,7 +16,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Rotar
 
 from deepinfer import envs
 from deepinfer.core.model_source import DEFAULT_MODEL, resolve_model_dir
-from deepinfer.core.weights import INDEX_FILE, CheckpointIndex, load_state_dict
+from deepinfer.core.checkpoint import INDEX_FILE, CheckpointIndex
+from deepinfer.core.weights import load_state_dict
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, YarnConfig, inv_freq
 from deepinfer.models.deepseek_v4.weight_names import canonical_name, expert_slot, split_fused_experts
 

@@ -33,7 +33,7 @@ def goldens():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(FIXTURE), dtype="float32")
+    return LLM(str(FIXTURE), dtype="float32", quantization="none")
 
 
 def _greedy(llm, prompts, steps):
@@ -59,13 +59,13 @@ def test_greedy_alone_matches_reference(llm, goldens):
     {"max_num_batched_tokens": 128, "enable_chunked_prefill": False, "max_model_len": 128},
 ])
 def test_greedy_batched_matches_reference(goldens, engine_args):
-    llm = LLM(str(FIXTURE), dtype="float32", **engine_args)
+    llm = LLM(str(FIXTURE), dtype="float32", quantization="none", **engine_args)
     prompts = [g["prompt"] for g in goldens]
     assert _greedy(llm, prompts, len(goldens[0]["greedy"])) == [g["greedy"] for g in goldens]
 
 
 def test_prefix_cache_hit_matches_reference(goldens):
-    llm = LLM(str(FIXTURE), dtype="float32", block_size=16)
+    llm = LLM(str(FIXTURE), dtype="float32", quantization="none", block_size=16)
     gold = max(goldens, key=lambda g: len(g["prompt"]))
     first = _greedy(llm, [gold["prompt"]], 8)
     assert llm.engine.blocks.match_prefix is not None
@@ -136,7 +136,7 @@ def test_quantized_weight_without_scale_is_named(tmp_path):
     tensors = load_file(tmp_path / "m" / "model.safetensors")
     del tensors["layers.3.attn.wq_b.scale"]
     save_file(tensors, tmp_path / "m" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"layers\.3\.attn\.wq_b\.scale is missing"):
+    with pytest.raises(ValueError, match=r"layers\.3\.attn\.wq_b\.weight \(in model\.safetensors\): a torch\.float8_e4m3fn weight needs its scale layers\.3\.attn\.wq_b\.scale"):
         LLM(str(tmp_path / "m"), dtype="float32")
 
 

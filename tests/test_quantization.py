@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.core.quantization import E2M1_VALUES, dequantize, infer_block, quantize_fp4, quantize_fp8
+from deepinfer.core.quantization import (
+    E2M1_VALUES, blockwise_linear, dequantize, infer_block, quantize_fp4, quantize_fp8, round_fp8, weight_block_size,
+)
 
 
 @pytest.mark.parametrize("block", [(32, 32), (128, 128), (1, 32)])
@@ -48,3 +50,43 @@ def test_scale_of_wrong_shape_is_an_error():
     packed, scale = quantize_fp4(torch.randn(8, 64))
     with pytest.raises(ValueError, match="needs a scale of shape"):
         dequantize(packed, scale[:, :1], torch.float32)
+
+
+@pytest.mark.parametrize("fmt, activation_block", [("fp8-128", 128), ("fp8-32", 32), ("mxfp4", 128), ("mxfp4", 32)])
+def test_blockwise_linear_is_the_dequantized_product_of_fp8_rounded_activations(fmt, activation_block):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 256, generator=g) * 0.05
+    x = torch.randn(5, 256, generator=g) * torch.logspace(-3, 1, 256)  # channels over four decades
+    weight, scale = quantize_fp4(w) if fmt == "mxfp4" else quantize_fp8(w, *(2 * [int(fmt[4:])]))
+    exact = dequantize(weight, scale, torch.float32)
+    got = blockwise_linear(x, weight, scale, activation_block)
+    # e4m3 rounds each activation by <= 2^-4 of itself, or by <= 2^-10 of its segment's power-of-two scale when
+    # it is subnormal there; the weight is used exactly
+    segment_scale = (x.abs().unflatten(1, (-1, activation_block)).amax(-1) / 448).log2().ceil().exp2()
+    slack = 2**-4 * x.abs() + 2**-10 * segment_scale.repeat_interleave(activation_block, 1)
+    bound = slack @ exact.abs().T + 1e-5 * (x.abs() @ exact.abs().T)
+    error = (got - x @ exact.T).abs()
+    assert torch.all(error <= bound)
+    assert error.max() > 0  # the activations really were rounded
+    assert torch.allclose(got, round_fp8(x, activation_block) @ exact.T, rtol=1e-5, atol=1e-6)
+
+
+def test_blockwise_linear_dequantizes_in_slabs(monkeypatch):
+    import deepinfer.core.quantization as quantization
+
+    w = torch.randn(256, 64, generator=torch.Generator().manual_seed(3))
+    weight, scale = quantize_fp8(w, 32, 32)
+    x = torch.randn(3, 64)
+    whole = blockwise_linear(x, weight, scale, 32)
+    monkeypatch.setattr(quantization, "_DEQUANT_CHUNK", 32 * 64)  # one block row per slab
+    assert torch.allclose(blockwise_linear(x, weight, scale, 32), whole, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(quantization, "_DEQUANT_CHUNK", 100 * 64)  # rounded down to whole block rows
+    assert torch.allclose(blockwise_linear(x, weight, scale, 32), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_weight_block_size_is_validated():
+    assert weight_block_size(None, (32, 32)) == (32, 32)
+    assert weight_block_size({"weight_block_size": [128, 128]}, (32, 32)) == (128, 128)
+    for bad in ([128], [96, 96], "128", [0, 128]):
+        with pytest.raises(ValueError, match="weight_block_size must be two powers of two"):
+            weight_block_size({"weight_block_size": bad}, (32, 32))

@@ -1,5 +1,5 @@
 """One-shot GPU check of the reference path: parity with HF on CUDA and a throughput pair."""
-import json, os, sys, time
+import json, os
 import torch
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False

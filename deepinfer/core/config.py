@@ -8,6 +8,10 @@ import torch
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICES = ("auto", "cpu", "cuda", "npu")
+# auto: weights stay as the checkpoint stores them; none: FP8/MXFP4 weights are dequantized to `dtype` when loaded
+_QUANTIZATION = ("auto", "none")
+# auto: read the checkpoint; dummy: random weights in the released formats, for benchmarks without files
+_LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(slots=True)
@@ -15,6 +19,8 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"
+    load_format: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -29,6 +35,11 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in _QUANTIZATION:
+            raise ValueError(f"quantization must be one of {_QUANTIZATION} ('none' dequantizes FP8/MXFP4 weights to "
+                             f"dtype when loading), got {self.quantization!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.device not in _DEVICES and not str(self.device).startswith(("cuda:", "npu:")):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N / npu:N), got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

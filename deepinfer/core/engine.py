@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -19,12 +20,16 @@ from deepinfer.core.request import Request
 from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.scheduler import Scheduler, SchedulerLimits
 from deepinfer.core.tokenizer import load_tokenizer
-from deepinfer.core.weights import load_state_dict
 from deepinfer.logger import init_logger
-from deepinfer.models.registry import checkpoint_naming, model_class, model_config
+from deepinfer.models.loader import load_model
+from deepinfer.models.registry import model_config
 from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
 
 logger = init_logger(__name__)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 class LLMEngine:
@@ -53,15 +58,16 @@ class LLMEngine:
 
         attention, _ = select_backend("deepinfer_attention_backend", config=config, device=self.device)
         moe, _ = select_backend("deepinfer_moe_backend", config=config, device=self.device)
+        linear, _ = select_backend("deepinfer_linear_backend", config=config, device=self.device)
         self.sampler, _ = select_backend("deepinfer_sampler", config=config, device=self.device)
         dtype = config.torch_dtype(self.model_config.dtype)
         start = time.perf_counter()
-        self.model = model_class(self.model_config)(self.model_config, attention, moe, dtype, tokenizer=self.tokenizer)
-        tensors = load_state_dict(model_dir, self.model.expected_tensors(), canonical=checkpoint_naming(self.model_config),
-                                  memory_mapped=self.model.memory_mapped, keep=self.model.kept_as_loaded)
-        self.model.load_tensors(tensors)
-        self.model.to(self.device)
-        logger.info("loaded %s (%s, %s) in %.1f s", model_dir, dtype, self.device, time.perf_counter() - start)
+        self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear,
+                                dtype=dtype, device=self.device, tokenizer=self.tokenizer,
+                                quantization=config.quantization, load_format=config.load_format, seed=config.seed)
+        logger.info("loaded %s (%s, %s, %.2f GiB of weights%s) in %.1f s", model_dir, dtype, self.device,
+                    _weight_bytes(self.model) / 2**30, ", random: load_format=dummy" if config.load_format == "dummy"
+                    else "", time.perf_counter() - start)
         self._refuse_unsupported_features()
         self._build_caches()
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)

@@ -1,265 +1,352 @@
-"""Reading a safetensors checkpoint one shard at a time into the model's canonical state dict."""
+"""Loading a checkpoint into a model's tensors: planned from the shard headers, then streamed shard by shard.
+
+``plan_load`` reads only the headers. It maps every checkpoint name onto the model's canonical names, decides how
+each weight is held (as stored, or dequantized once when it is read), and checks shapes, dtypes and scale shapes
+against the model and its block size. Every problem is reported at once, naming the tensor and its file, before any
+tensor data is read. ``stream_into`` then reads one tensor at a time and copies it into the model's preallocated
+tensors on the target device, so host memory stays near one shard (safetensors maps the shard being read).
+"""
 
 from __future__ import annotations
 
-import json
 import logging
-import mmap
+import math
 import os
-import struct
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
-from deepinfer.core.quantization import dequantize
+from deepinfer.core.checkpoint import CheckpointIndex, StoredTensor, mapped_tensor
+from deepinfer.core.quantization import MX_BLOCK, dequantize, infer_block, logical_shape, scale_shape
 from deepinfer.models.deepseek_v4.weight_names import canonical_name, expert_slot, split_fused_experts
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+_QUANTIZED = (torch.float8_e4m3fn, torch.int8)
 # A real mismatch can involve thousands of tensors; the first few of each kind say what went wrong.
 _MAX_LISTED = 20
 
-TensorSpec = tuple[tuple[int, ...], torch.dtype]
-
 
 @dataclass(slots=True)
-class CheckpointIndex:
-    directory: Path
-    files: list[str]
-
-    @classmethod
-    def from_dir(cls, path: str | os.PathLike[str]) -> CheckpointIndex:
-        """The shards named by the index.json, else model.safetensors alone, else every *.safetensors file."""
-        directory = Path(path)
-        index_file = directory / INDEX_FILE
-        if index_file.is_file():
-            weight_map = json.loads(index_file.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index_file} has no 'weight_map' object")
-            files = sorted(set(weight_map.values()))
-            absent = [f for f in files if not (directory / f).is_file()]
-            if absent:
-                raise FileNotFoundError(f"{index_file} names shards that are not in {directory}: {absent}")
-            return cls(directory, files)
-        if (directory / SINGLE_FILE).is_file():
-            return cls(directory, [SINGLE_FILE])
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"No *.safetensors checkpoint in {directory}")
-        return cls(directory, files)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum((self.directory / f).stat().st_size for f in self.files)
-
-    def iter_tensors(self, progress: bool = False, memory_mapped: Callable[[str], bool] | None = None,
-                     ) -> Iterator[tuple[str, torch.Tensor, str]]:
-        """(name, tensor, shard file name) for every tensor, shard by shard; only one tensor is read at a time.
-
-        Each shard's own header lists its tensors, so an index.json is only used to find the shards. Tensors whose
-        name ``memory_mapped`` accepts are not read: they come back as read-only views of the mapped file.
-        """
-        bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc="Loading weights", disable=not progress)
-        with bar:
-            for file in self.files:
-                path = self.directory / file
-                with safe_open(path, framework="pt", device="cpu") as shard:
-                    for name in shard.keys():
-                        if memory_mapped is not None and memory_mapped(name):
-                            yield name, _mapped_tensor(path, name), file
-                        else:
-                            yield name, shard.get_tensor(name), file
-                bar.update(path.stat().st_size)
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def _mapped_tensor(path: Path, name: str) -> torch.Tensor:
-    """A tensor backed by the file's pages (read-only mapping): nothing is read until it is indexed."""
-    with open(path, "rb") as f:
-        header_len = struct.unpack("<Q", f.read(8))[0]
-        entry = json.loads(f.read(header_len))[name]
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    begin, end = entry["data_offsets"]
-    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-    with warnings.catch_warnings():  # read-only on purpose: the checkpoint must never be written through
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        raw = torch.frombuffer(memoryview(mapping), dtype=torch.uint8, count=end - begin, offset=8 + header_len + begin)
-    return raw.view(dtype).view(entry["shape"])
-
-
-@dataclass(slots=True)
-class _Mismatches:
+class _Problems:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    misshaped: list[str] = field(default_factory=list)
-    # Present but wrongly shaped, so not also "missing".
-    misshaped_names: set[str] = field(default_factory=set)
+    inconsistent: list[str] = field(default_factory=list)
+    # Present but wrong, so not also "missing".
+    seen: set[str] = field(default_factory=set)
 
-    def add_misshaped(self, name: str, source: str, got: torch.Size, wanted: tuple[int, ...]) -> None:
-        self.misshaped.append(f"{source}: got {tuple(got)}, expected {tuple(wanted)}")
-        self.misshaped_names.add(name)
+    def bad(self, name: str, message: str) -> None:
+        self.inconsistent.append(message)
+        self.seen.add(name)
 
-    def __bool__(self) -> bool:
-        return bool(self.missing or self.unexpected or self.misshaped)
-
-    def error(self, model_dir: Path) -> ValueError:
+    def raise_if_any(self, model_dir: Path) -> None:
+        if not (self.missing or self.unexpected or self.inconsistent):
+            return
         lines = [f"Checkpoint in {model_dir} does not match the model:"]
         for title, entries in (("missing", self.missing), ("unexpected", self.unexpected),
-                               ("mis-shaped", self.misshaped)):
+                               ("mis-shaped or inconsistent", self.inconsistent)):
             if entries:
                 lines.append(f"  {title} tensors ({len(entries)}):")
                 lines += [f"    {entry}" for entry in entries[:_MAX_LISTED]]
                 if len(entries) > _MAX_LISTED:
                     lines.append(f"    ... and {len(entries) - _MAX_LISTED} more")
-        return ValueError("\n".join(lines))
+        raise ValueError("\n".join(lines))
 
 
-def _source(name: str, checkpoint_name: str, file: str) -> str:
-    if name == checkpoint_name:
-        return f"{name} (in {file})"
-    return f"{name} (from {checkpoint_name} in {file})"
+@dataclass(slots=True)
+class _Part:
+    """One canonical tensor (or one expert of a stacked one) inside a checkpoint tensor."""
+
+    name: str  # canonical name; for an expert, the stacked name
+    expert: int | None
+    shape: tuple[int, ...]
+    stored: StoredTensor
+
+    def where(self) -> str:
+        own = self.name if self.expert is None else _expert_name(self.name, self.expert)
+        if own == self.stored.name:
+            return f"{own} (in {self.stored.file})"
+        return f"{own} (from {self.stored.name} in {self.stored.file})"
 
 
-def load_state_dict(
+def _expert_name(stacked: str, expert: int) -> str:
+    prefix, leaf = stacked.rsplit(".experts.", 1)
+    return f"{prefix}.experts.{expert}.{leaf}"
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    index: CheckpointIndex
+    stored: dict[str, StoredTensor]  # every tensor of every shard, from the headers
+    layout: dict[str, TensorSpec]  # what the model allocates, by canonical name
+    reads: dict[str, list[str]]  # shard -> checkpoint names to copy in, in header order
+    dequantized: set[str]  # checkpoint names of weights/scales dequantized when read
+    mapped: list[StoredTensor]  # returned as views of the file
+    kept: list[StoredTensor]  # returned as stored
+    canonical: Callable[[str], str | None]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.stored[name].nbytes for names in self.reads.values() for name in names)
+
+
+def plan_load(
     model_dir: str | os.PathLike[str],
     expected: dict[str, TensorSpec],
     *,
     canonical: Callable[[str], str | None] = canonical_name,
+    quantizable: set[str] = frozenset(),
+    block: tuple[int, int] = (128, 128),
     memory_mapped: Callable[[str], bool] | None = None,
     keep: Callable[[str], bool] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under canonical names, shaped and typed as ``expected`` says.
+) -> LoadPlan:
+    """Check the checkpoint against ``expected`` (canonical name -> float shape and dtype) from its headers.
 
-    ``canonical`` maps checkpoint names onto the model's (None: not loaded). A quantized weight (FP8 or packed
-    MXFP4 with a ``.scale`` partner) that ``expected`` wants in a float dtype is dequantized once both halves have
-    arrived. ``memory_mapped`` names are returned as views of the file; ``keep`` names are returned as stored,
-    unchecked (the model keeps them for a later feature).
-
-    Per-expert tensors are stacked into the expected [E, ...] tensor as they arrive, so peak memory is the result
-    plus one checkpoint tensor. Raises one ValueError listing every missing, unexpected and mis-shaped tensor.
+    Weights named in ``quantizable`` stay as stored when the checkpoint ships them quantized; their FP8 scales must
+    tile them in ``block``. Other quantized weights are dequantized to the expected dtype when read. Per-expert
+    tensors (``ffn.experts.{e}.w1.weight``) fill the expected stacked [E, ...] tensor.
     """
     model_dir = Path(model_dir)
-    loaded: dict[str, torch.Tensor] = {}
-    experts_seen: dict[str, set[int]] = {}
-    halves: dict[str, dict[str, tuple[torch.Tensor, str]]] = {}  # quantized weight -> {"weight"/"scale": ...}
-    mismatches = _Mismatches()
-    skipped = 0
-
-    def place(name: str, tensor: torch.Tensor, source: str) -> None:
-        slot = expert_slot(name)
-        if slot is None:
-            _place_whole(name, tensor, source, expected, loaded, mismatches)
-        else:
-            _place_expert(name, *slot, tensor, source, expected, loaded, experts_seen, mismatches)
-
     index = CheckpointIndex.from_dir(model_dir)
-    for checkpoint_name, tensor, file in index.iter_tensors(progress=True, memory_mapped=memory_mapped):
-        if keep is not None and keep(checkpoint_name):
-            loaded[checkpoint_name] = tensor
+    problems = _Problems()
+    parts: dict[str, list[_Part]] = {}  # canonical (stacked) name -> its parts
+    mapped, kept, skipped = [], [], 0
+    headers = index.headers()
+    for stored in headers.values():
+        if keep is not None and keep(stored.name):
+            kept.append(stored)
             continue
-        name = canonical(checkpoint_name)
+        if memory_mapped is not None and memory_mapped(stored.name):
+            _check_exact(stored, expected, problems)
+            mapped.append(stored)
+            continue
+        name = canonical(stored.name)
         if name is None:
             skipped += 1
             continue
-        for name, part in split_fused_experts(name, tensor):
-            source = _source(name, checkpoint_name, file)
-            base, _, leaf = name.rpartition(".")
-            if _wants_dequantized(name, part, expected):
-                pair = halves.setdefault(base, {})
-                pair[leaf] = (part, source)
-                if len(pair) == 2:
-                    del halves[base]
-                    place(f"{base}.weight", _dequantize_pair(pair, _expected_dtype(f"{base}.weight", expected)),
-                          pair["weight"][1])
-            else:
-                place(name, part, source)
-    for base, pair in halves.items():
-        (leaf, (_, source)), = pair.items()
-        other = "scale" if leaf == "weight" else "weight"
-        mismatches.unexpected.append(f"{source}: its {base}.{other} is missing from the checkpoint")
+        for part_name, part in split_fused_experts(name, torch.empty(stored.shape, device="meta")):
+            slot = expert_slot(part_name)
+            stacked, expert = (part_name, None) if slot is None else slot
+            parts.setdefault(stacked, []).append(_Part(stacked, expert, tuple(part.shape), stored))
     if skipped:
-        logger.debug("Skipped %d tensors in %s that this model does not use", skipped, model_dir)
-    mismatches.missing += [n for n in expected if n not in loaded and n not in mismatches.misshaped_names]
-    for stacked, seen in experts_seen.items():
-        prefix, leaf = stacked.rsplit(".experts.", 1)
-        absent = (f"{prefix}.experts.{e}.{leaf}" for e in range(len(loaded[stacked])) if e not in seen)
-        mismatches.missing += [n for n in absent if n not in mismatches.misshaped_names]
-    if mismatches:
-        raise mismatches.error(model_dir)
-    return loaded
+        logger.debug("Skipping %d tensors in %s that this model does not use", skipped, model_dir)
+
+    layout: dict[str, TensorSpec] = {}
+    dequantized: set[str] = set()
+    for name, name_parts in parts.items():
+        base, _, leaf = name.rpartition(".")
+        if leaf == "scale":
+            if f"{base}.weight" not in parts:
+                problems.unexpected += [f"{p.where()}: a scale without its weight {base}.weight" for p in name_parts]
+            continue
+        if name not in expected:
+            problems.unexpected += [p.where() for p in name_parts]
+            continue
+        _plan_tensor(name, name_parts, parts.get(f"{base}.scale") if leaf == "weight" else None, expected[name],
+                     name in quantizable, block, layout, dequantized, problems)
+    mapped_names = {t.name for t in mapped}
+    problems.missing += [n for n in expected if n not in layout and n not in problems.seen and n not in mapped_names]
+    problems.raise_if_any(model_dir)
+    reads: dict[str, list[str]] = {}
+    sources = {p.stored.name: p.stored for ps in parts.values() for p in ps}
+    for stored in sources.values():
+        reads.setdefault(stored.file, []).append(stored.name)
+    return LoadPlan(index, headers, layout, reads, dequantized, mapped, kept, canonical)
 
 
-def _expected_dtype(name: str, expected: dict[str, TensorSpec]) -> torch.dtype | None:
-    slot = expert_slot(name)
-    spec = expected.get(name if slot is None else slot[0])
-    return None if spec is None else spec[1]
+def _check_exact(stored: StoredTensor, expected: dict[str, TensorSpec], problems: _Problems) -> None:
+    spec = expected.get(stored.name)
+    if spec is None:
+        problems.unexpected.append(f"{stored.name} (in {stored.file})")
+    elif (stored.shape, stored.dtype) != (tuple(spec[0]), spec[1]):
+        problems.bad(stored.name, f"{stored.name} (in {stored.file}): got {stored.shape} {stored.dtype}, "
+                                  f"expected {tuple(spec[0])} {spec[1]}")
 
 
-def _wants_dequantized(name: str, tensor: torch.Tensor, expected: dict[str, TensorSpec]) -> bool:
-    """A quantized weight or its scale, for a model that wants the weight in a float dtype."""
-    base, _, leaf = name.rpartition(".")
-    if leaf == "scale":
-        return _expected_dtype(name, expected) is None and _expected_dtype(f"{base}.weight", expected) is not None
-    wanted = _expected_dtype(name, expected)
-    return leaf == "weight" and tensor.dtype in (torch.float8_e4m3fn, torch.int8) and wanted is not None \
-        and wanted.is_floating_point and wanted.itemsize > 1
+def _plan_tensor(name: str, parts: list[_Part], scales: list[_Part] | None, spec: TensorSpec, quantizable: bool,
+                 block: tuple[int, int], layout: dict[str, TensorSpec], dequantized: set[str],
+                 problems: _Problems) -> None:
+    shape, dtype = tuple(spec[0]), spec[1]
+    stacked = parts[0].expert is not None
+    per_part = shape[1:] if stacked else shape
+    if not _complete(name, parts, shape[0] if stacked else None, problems):
+        return
+    first = parts[0]
+    quantized = first.stored.dtype in _QUANTIZED
+    for part in parts:
+        if part.stored.dtype != first.stored.dtype:
+            return problems.bad(name, f"{part.where()}: stored as {part.stored.dtype} but "
+                                      f"{first.where()} as {first.stored.dtype}")
+        got = logical_shape(part.shape, part.stored.dtype) if quantized else part.shape
+        if got != per_part:
+            return problems.bad(name, f"{part.where()}: got {part.shape}, expected {per_part}"
+                                      + (" (packed MXFP4)" if part.stored.dtype == torch.int8 else ""))
+    if not quantized:
+        if scales:
+            problems.unexpected += [f"{s.where()}: a scale for a {first.stored.dtype} weight" for s in scales]
+        layout[name] = (shape, dtype)
+        return
+    if not scales:
+        return problems.bad(name, f"{first.where()}: a {first.stored.dtype} weight needs its scale "
+                                  f"{name.removesuffix('weight')}scale, which the checkpoint does not have")
+    scale_name = scales[0].name
+    if not _complete(scale_name, scales, shape[0] if stacked else None, problems):
+        return
+    for part, scale in zip(sorted(parts, key=_order), sorted(scales, key=_order)):
+        problem = _scale_problem(part, scale, block if quantizable else None)
+        if problem:
+            return problems.bad(name, f"{scale.where()}: {problem}")
+    if quantizable:
+        lead = shape[:1] if stacked else ()
+        layout[name] = ((*lead, *first.shape), first.stored.dtype)
+        layout[scale_name] = ((*lead, *scales[0].shape), scales[0].stored.dtype)
+    else:
+        layout[name] = (shape, dtype)
+        dequantized.update(p.stored.name for p in (*parts, *scales))
 
 
-def _dequantize_pair(pair: dict[str, tuple[torch.Tensor, str]], dtype: torch.dtype) -> torch.Tensor:
-    (weight, source), (scale, _) = pair["weight"], pair["scale"]
+def _scale_problem(weight: _Part, scale: _Part, block: tuple[int, int] | None) -> str | None:
+    """Why ``scale`` cannot scale ``weight``: MXFP4 needs one scale per 1x32, FP8 one per tile of ``block`` (kept
+    weights, which the GEMM kernels multiply as is) or of any power-of-two size (dequantized when read)."""
+    rows, cols = weight.shape[-2:]
+    if weight.stored.dtype == torch.int8:
+        needed = scale_shape(weight.shape, torch.int8, (1, MX_BLOCK))
+        return None if scale.shape == needed else f"shape {scale.shape}; MXFP4 {weight.shape} weights need {needed}"
+    if block is not None:
+        needed = scale_shape(weight.shape, weight.stored.dtype, block)
+        if scale.shape != needed:
+            return (f"shape {scale.shape} does not fit {block[0]}x{block[1]} blocks of its {weight.shape} weight, "
+                    f"which need {needed} (quantization_config.weight_block_size is {list(block)})")
+        return None
     try:
-        return dequantize(weight, scale, dtype)
+        infer_block(rows, scale.shape[-2]), infer_block(cols, scale.shape[-1])
     except ValueError as error:
-        raise ValueError(f"{source}: {error}") from None
+        return f"shape {scale.shape} cannot scale its {weight.shape} weight: {error}"
+    return None
 
 
-def _place_whole(name: str, tensor: torch.Tensor, source: str, expected: dict[str, TensorSpec],
-                 loaded: dict[str, torch.Tensor], mismatches: _Mismatches) -> None:
-    if name in loaded:
-        mismatches.unexpected.append(f"{source}: loaded twice")
-        return
-    if name not in expected:
-        mismatches.unexpected.append(source)
-        return
-    shape, dtype = expected[name]
-    if tuple(tensor.shape) != tuple(shape):
-        mismatches.add_misshaped(name, source, tensor.shape, shape)
-        return
-    loaded[name] = tensor.to(dtype).contiguous()
+def _order(part: _Part) -> int:
+    return -1 if part.expert is None else part.expert
 
 
-def _place_expert(name: str, stacked: str, expert: int, tensor: torch.Tensor, source: str,
-                  expected: dict[str, TensorSpec], loaded: dict[str, torch.Tensor],
-                  experts_seen: dict[str, set[int]], mismatches: _Mismatches) -> None:
-    if stacked not in expected or expert >= expected[stacked][0][0]:
-        mismatches.unexpected.append(source)
-        return
-    shape, dtype = expected[stacked]
-    if tuple(tensor.shape) != tuple(shape[1:]):
-        mismatches.add_misshaped(name, source, tensor.shape, shape[1:])
-        mismatches.misshaped_names.add(stacked)
-        return
-    seen = experts_seen.get(stacked)
-    # A stack without a `seen` set came whole (HF's fused layout), so any per-expert copy is a duplicate.
-    if stacked in loaded and (seen is None or expert in seen):
-        mismatches.unexpected.append(f"{source}: loaded twice")
-        return
-    if seen is None:
-        seen = experts_seen[stacked] = set()
-        loaded[stacked] = torch.empty(shape, dtype=dtype)
-    loaded[stacked][expert].copy_(tensor)
-    seen.add(expert)
+def _complete(name: str, parts: list[_Part], experts: int | None, problems: _Problems) -> bool:
+    """Exactly one part per expert (or one whole tensor); reports the gaps and duplicates."""
+    if experts is None:
+        if len(parts) > 1 or parts[0].expert is not None:
+            problems.unexpected += [f"{p.where()}: loaded twice" for p in parts[1:]]
+        return len(parts) == 1 and parts[0].expert is None
+    seen: dict[int, _Part] = {}
+    for part in parts:
+        if part.expert is None or part.expert >= experts:
+            problems.unexpected.append(part.where())
+        elif part.expert in seen:
+            problems.unexpected.append(f"{part.where()}: loaded twice")
+        else:
+            seen[part.expert] = part
+    absent = [_expert_name(name, e) for e in range(experts) if e not in seen]
+    problems.missing += absent
+    if absent:
+        problems.seen.add(name)
+    return not absent and len(seen) == len(parts)
+
+
+def stream_into(plan: LoadPlan, targets: dict[str, torch.Tensor], device: torch.device,
+                progress: bool = True) -> dict[str, torch.Tensor]:
+    """Copy every planned tensor into ``targets`` (allocated per ``plan.layout``), one tensor at a time.
+
+    Returns the memory-mapped and kept tensors by checkpoint name (kept ones moved to ``device``).
+    """
+    extras = {t.name: mapped_tensor(plan.index.directory / t.file, t.name) for t in plan.mapped}
+    kept = {t.name for t in plan.kept}
+    count = sum(len(names) for names in plan.reads.values()) + len(plan.kept)
+    bar = tqdm(total=plan.total_bytes + sum(t.nbytes for t in plan.kept), unit="B", unit_scale=True,
+               desc="Loading weights", disable=not progress)
+    halves: dict[str, torch.Tensor] = {}  # the first-read half of a weight that is dequantized when read
+    done = 0
+    reads = [plan.stored[name] for names in plan.reads.values() for name in names] + plan.kept
+    with bar:
+        for stored, tensor in plan.index.read(reads):
+            if stored.name in kept:
+                extras[stored.name] = tensor.to(device)
+            else:
+                _place(plan, stored.name, tensor, targets, halves)
+            done += 1
+            bar.update(stored.nbytes)
+            bar.set_postfix_str(f"{done}/{count} tensors", refresh=False)
+    return extras
+
+
+def _place(plan: LoadPlan, checkpoint_name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor],
+           halves: dict[str, torch.Tensor]) -> None:
+    for name, part in split_fused_experts(plan.canonical(checkpoint_name), tensor):
+        slot = expert_slot(name)
+        if checkpoint_name in plan.dequantized:
+            base, _, leaf = name.rpartition(".")
+            partner = halves.pop(f"{base}.{'scale' if leaf == 'weight' else 'weight'}", None)
+            if partner is None:
+                halves[name] = part
+                continue
+            weight, scale = (part, partner) if leaf == "weight" else (partner, part)
+            name, slot = f"{base}.weight", expert_slot(f"{base}.weight")
+            part = dequantize(weight, scale, targets[name if slot is None else slot[0]].dtype)
+        target = targets[name] if slot is None else targets[slot[0]][slot[1]]
+        target.copy_(part)
+
+
+def load_state_dict(model_dir: str | os.PathLike[str], expected: dict[str, TensorSpec], **plan_options
+                    ) -> dict[str, torch.Tensor]:
+    """The whole checkpoint as a CPU state dict under canonical names (for tools and tests; the engine streams
+    into the model instead). Quantized weights come dequantized unless named in ``quantizable``."""
+    plan = plan_load(model_dir, expected, **plan_options)
+    targets = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in plan.layout.items()}
+    return {**targets, **stream_into(plan, targets, torch.device("cpu"), progress=False)}
+
+
+def dummy_layout(expected: dict[str, TensorSpec], quantizable: set[str], block: tuple[int, int]
+                 ) -> dict[str, TensorSpec]:
+    """The released formats without a checkpoint: quantizable projections FP8 in ``block`` tiles, routed experts
+    packed MXFP4, everything else as ``expected``."""
+    layout = {}
+    for name, (shape, dtype) in expected.items():
+        shape = tuple(shape)
+        if name not in quantizable:
+            layout[name] = (shape, dtype)
+            continue
+        stored_dtype = torch.int8 if ".experts." in name else torch.float8_e4m3fn
+        stored = (*shape[:-1], shape[-1] // 2) if stored_dtype == torch.int8 else shape
+        layout[name] = (stored, stored_dtype)
+        layout[f"{name.removesuffix('weight')}scale"] = (scale_shape(stored, stored_dtype, block), torch.float8_e8m0fnu)
+    return layout
+
+
+def fill_dummy(tensors: dict[str, torch.Tensor], seed: int, num_experts: int) -> None:
+    """Random values that keep activations in range: projections with std ~ fan_in^-1/2, norms 1, other vectors 0,
+    hash-routing tables spread over the experts."""
+    for index, (name, tensor) in enumerate(sorted(tensors.items())):
+        g = torch.Generator(device=tensor.device).manual_seed(seed + index)
+
+        def normal(std: float) -> torch.Tensor:
+            return torch.randn(tensor.shape, generator=g, device=tensor.device) * std
+
+        if tensor.dtype == torch.float8_e8m0fnu:
+            weight = tensors[f"{name.removesuffix('scale')}weight"]
+            fan_in = logical_shape(tuple(weight.shape), weight.dtype)[-1]
+            code_std = 2.9 if weight.dtype == torch.int8 else 0.5  # of random e2m1 codes / of normal(0.5) in e4m3
+            tensor.copy_(torch.full(tensor.shape, 2.0 ** round(math.log2(fan_in**-0.5 / code_std)),
+                                    device=tensor.device).to(tensor.dtype))
+        elif tensor.dtype == torch.int8:
+            tensor.copy_(torch.randint(-128, 128, tensor.shape, generator=g, device=tensor.device, dtype=torch.int8))
+        elif tensor.dtype == torch.float8_e4m3fn:
+            tensor.copy_(normal(0.5).to(tensor.dtype))
+        elif name.endswith("tid2eid"):
+            tensor.copy_(torch.randint(0, num_experts, tensor.shape, generator=g, device=tensor.device))
+        elif not tensor.is_floating_point():
+            tensor.zero_()
+        elif tensor.dim() < 2:
+            tensor.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        else:
+            tensor.copy_(normal(tensor.shape[-1] ** -0.5))

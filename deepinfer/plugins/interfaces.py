@@ -59,14 +59,37 @@ class AttentionBackend(Protocol):
         """
 
 
+class LinearBackend(Protocol):
+    name: str
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int) -> torch.Tensor:
+        """``x W^T`` for a quantized weight as the checkpoint stores it.
+
+        ``x`` [..., C]. ``weight`` is FP8 e4m3 [R, C] with an e8m0 ``scale`` per tile
+        ([ceil(R/br), ceil(C/bc)]), or packed MXFP4 int8 [R, C/2] (two e2m1 codes per byte, even column
+        in the low nibble) with an e8m0 scale per 1 x 32 ([R, C/32]). Activations are first rounded to FP8
+        with one power-of-two scale per ``1 x activation_block`` segment, as the release's kernels do.
+        Returns [..., R] in ``x``'s dtype.
+        """
+
+
 @dataclass(slots=True)
 class ExpertWeights:
-    """Stacked routed-expert weights of one MoE layer (w1 = gate, w3 = up, w2 = down)."""
+    """Stacked routed-expert weights of one MoE layer (w1 = gate, w3 = up, w2 = down).
 
-    w1: torch.Tensor  # [E, I, hidden]
+    Float weights have no scales. Quantized ones (FP8 or packed MXFP4, see ``LinearBackend``) carry their
+    e8m0 scales with the same leading expert dim, and activations entering w1/w3 and w2 are rounded to FP8
+    in ``1 x activation_block`` segments.
+    """
+
+    w1: torch.Tensor  # [E, I, hidden] (packed MXFP4: [E, I, hidden/2])
     w3: torch.Tensor  # [E, I, hidden]
     w2: torch.Tensor  # [E, hidden, I]
     swiglu_limit: float
+    w1_scale: torch.Tensor | None = None
+    w3_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    activation_block: int = 0
 
 
 class MoEBackend(Protocol):

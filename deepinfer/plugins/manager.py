@@ -29,6 +29,7 @@ ENTRY_POINT_GROUP = "deepinfer.plugins"
 DEFAULT_PLUGINS = (
     "deepinfer.plugins.builtin.torch_attention",
     "deepinfer.plugins.builtin.torch_moe",
+    "deepinfer.plugins.builtin.torch_linear",
     "deepinfer.plugins.builtin.torch_sampler",
 )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.core.quantization import quantize_fp4, quantize_fp8
+from deepinfer.convert import V41
 from deepinfer.testing.tiny_tokenizer import build_tiny_tokenizer
 
 TINY_V41 = dict(
@@ -61,30 +61,12 @@ TINY_V41 = dict(
                   "original_max_position_embeddings": 256},
 )
 
-# Which tensors the release stores in which format.
-FP8_BLOCK = re.compile(
-    r"(?:layers|mtp)\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
-    r"|engram\.wkv)\.weight"
-)
-FP4_EXPERT = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
-FP8_ROWS = re.compile(r"layers\.\d+\.engram\.embed\.weight")
-FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|ffn\.gate\.bias(_vl)?|compressor\.(wkv|wgate)\.weight)$")
-
-
 def released_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp32 tensors under released names -> the released dtypes (FP8/MXFP4 + e8m0 scales, fp32, else bf16)."""
+    """Float tensors under released names -> the released dtypes (``deepinfer.convert.V41``: FP8/MXFP4 + e8m0
+    scales, fp32, else bf16), as ``python -m deepinfer.convert`` writes them."""
     out = {}
     for name, value in tensors.items():
-        value = value.detach().float().contiguous()
-        scale = name.removesuffix("weight") + "scale"
-        if FP8_BLOCK.fullmatch(name):
-            out[name], out[scale] = quantize_fp8(value, 32, 32)
-        elif FP4_EXPERT.fullmatch(name):
-            out[name], out[scale] = quantize_fp4(value)
-        elif FP8_ROWS.fullmatch(name):
-            out[name], out[scale] = quantize_fp8(value, 1, 32)
-        else:
-            out[name] = value if FP32.search(name) else value.to(torch.bfloat16)
+        out.update(V41.store(name, value))
     return out
 
 

@@ -12,16 +12,21 @@ import torch
 from torch import nn
 
 from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
+from deepinfer.core.linear import Linear
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary, unweighted_rms_norm
 from deepinfer.plugins.interfaces import AttentionBackend
 
 
 def _linear(rows: int, cols: int) -> nn.Linear:
+    """A projection the checkpoints always ship in bf16/fp32."""
     return nn.Linear(cols, rows, bias=False)
 
 
-def grouped_output(o: torch.Tensor, wo_a: nn.Linear, wo_b: nn.Linear, groups: int) -> torch.Tensor:
-    """Output projection: each group of heads [T, H/g * D] has its own low-rank ``wo_a`` block, then ``wo_b``."""
+def grouped_output(o: torch.Tensor, wo_a: nn.Linear, wo_b: Linear, groups: int) -> torch.Tensor:
+    """Output projection: each group of heads [T, H/g * D] has its own low-rank ``wo_a`` block, then ``wo_b``.
+
+    ``wo_a`` is dequantized when loaded (as DeepSeek's own converter does), so its groups can be sliced.
+    """
     grouped = o.reshape(o.shape[0], groups, -1)
     mixed = torch.einsum("tgd,grd->tgr", grouped, wo_a.weight.view(groups, -1, grouped.shape[-1]))
     return wo_b(mixed.flatten(1))
@@ -71,7 +76,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.rotary = rotary
-        self.wq_b = _linear(self.n_heads * self.dim, config.q_lora_rank)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.dim)
         self.weights_proj = _linear(self.n_heads, config.hidden_size)
         self.compressor = Compressor(config.hidden_size, self.dim, config.csa_ratio, 2, config.rms_norm_eps)
         self.weight_scale = self.dim**-0.5 * self.n_heads**-0.5
@@ -92,13 +97,13 @@ class Attention(nn.Module):
         self.eps = c.rms_norm_eps
         self.ratio = c.compress_ratios[layer_id]
         self.scale = self.head_dim**-0.5
-        self.wq_a = _linear(c.q_lora_rank, c.hidden_size)
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = _linear(c.num_heads * c.head_dim, c.q_lora_rank)
-        self.wkv = _linear(c.head_dim, c.hidden_size)
+        self.wq_b = Linear(c.q_lora_rank, c.num_heads * c.head_dim)
+        self.wkv = Linear(c.hidden_size, c.head_dim)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.wo_a = _linear(c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
-        self.wo_b = _linear(c.hidden_size, c.o_groups * c.o_lora_rank)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32), requires_grad=False)
         self.compressor = self.indexer = None
         if self.ratio:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from deepinfer.core.quantization import weight_block_size
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 
@@ -87,6 +89,12 @@ class DeepseekV4ModelConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+        self.weight_block_size  # a malformed block is a config error, reported now rather than at load
+
+    @property
+    def weight_block_size(self) -> tuple[int, int]:
+        """FP8 weight tile (V4 ships 128 x 128); activations are rounded in 1 x (its column count) segments."""
+        return weight_block_size(self.quantization_config, (128, 128))
 
     def has_indexer(self, layer: int) -> bool:
         return self.compress_ratios[layer] == self.csa_ratio
@@ -161,7 +169,7 @@ def inv_freq(config: DeepseekV4ModelConfig, compressed: bool) -> torch.Tensor:
     dim = config.rope_head_dim
     base = config.compress_rope_theta if compressed else config.rope_theta
     # Same operation order as HF transformers, so both give bit-identical buffers.
-    wavelength_scale = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    wavelength_scale = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     original = 1.0 / wavelength_scale
     if not compressed or config.yarn is None:
         return original
@@ -170,7 +178,7 @@ def inv_freq(config: DeepseekV4ModelConfig, compressed: bool) -> torch.Tensor:
     low, high = _yarn_blend_range(yarn, dim, base)
     if low == high:
         high += 0.001  # a zero-width ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     # Pairs that rotate fast within the original context keep their frequency; slow ones are fully stretched.
     keep_original = 1 - ramp
     return stretched * (1 - keep_original) + original * keep_original

@@ -9,6 +9,7 @@ from torch import nn
 
 from deepinfer.core.forward_batch import ForwardBatch
 from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
+from deepinfer.core.linear import cast_floating
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, inv_freq
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
@@ -58,9 +59,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        for name, tensor in self.state_dict().items():
-            if tensor.is_floating_point() and not (name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name)):
-                tensor.data = tensor.data.to(dtype)
+        cast_floating(self, dtype, lambda name: name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) is not None)
         self.requires_grad_(False)
 
     # -- weights ------------------------------------------------------------------------------
@@ -80,10 +79,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     def kept_as_loaded(name: str) -> bool:
         return False
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        own = self.state_dict()
-        for path, target in own.items():
-            target.copy_(tensors[self.checkpoint_name(path)])
+    def attach(self, extras: dict[str, torch.Tensor]) -> None:
+        """Tensors the loader hands over outside the model's parameters; V4 has none."""
+        if extras:
+            raise ValueError(f"unexpected extra tensors for DeepSeek-V4: {sorted(extras)[:5]}")
 
     # -- caches -------------------------------------------------------------------------------
     def compressed_ratios(self) -> dict[int, int]:

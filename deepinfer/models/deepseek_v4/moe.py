@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.core.linear import ExpertStack, Linear
 from deepinfer.core.ops import swiglu
 from deepinfer.plugins.interfaces import ExpertWeights, MoEBackend
 
@@ -35,14 +36,15 @@ class MoE(nn.Module):
         else:
             self.gate.register_buffer("bias", torch.zeros(experts, dtype=torch.float32))
         self.experts = nn.Module()
-        for name, shape in (("w1", (experts, inter, hidden)), ("w3", (experts, inter, hidden)), ("w2", (experts, hidden, inter))):
-            sub = nn.Module()
-            sub.weight = nn.Parameter(torch.zeros(shape), requires_grad=False)
-            setattr(self.experts, name, sub)
+        self.experts.w1 = ExpertStack(experts, inter, hidden)
+        self.experts.w3 = ExpertStack(experts, inter, hidden)
+        self.experts.w2 = ExpertStack(experts, hidden, inter)
         shared_inter = inter * config.n_shared_experts
         self.shared_experts = nn.Module()
-        for name, shape in (("w1", (shared_inter, hidden)), ("w3", (shared_inter, hidden)), ("w2", (hidden, shared_inter))):
-            setattr(self.shared_experts, name, nn.Linear(shape[1], shape[0], bias=False))
+        self.shared_experts.w1 = Linear(hidden, shared_inter)
+        self.shared_experts.w3 = Linear(hidden, shared_inter)
+        self.shared_experts.w2 = Linear(shared_inter, hidden)
+        self.activation_block = config.weight_block_size[1]
 
     def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score(x.float() @ self.gate.weight.float().T)
@@ -57,7 +59,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x, token_ids)
-        experts = ExpertWeights(self.experts.w1.weight, self.experts.w3.weight, self.experts.w2.weight, self.limit)
+        w1, w3, w2 = self.experts.w1, self.experts.w3, self.experts.w2
+        experts = ExpertWeights(w1.weight, w3.weight, w2.weight, self.limit, w1.scale, w3.scale, w2.scale,
+                                self.activation_block)
         routed = self.backend.routed_experts(x, ids, weights, experts)
         shared = self.shared_experts
-        return routed + swiglu(x, shared.w1.weight, shared.w3.weight, shared.w2.weight, self.limit).to(x.dtype)
+        hidden = swiglu(shared.w1(x), shared.w3(x), self.limit)
+        return routed + shared.w2(hidden.to(x.dtype))

@@ -25,14 +25,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
+from deepinfer.core.linear import Linear
 from deepinfer.models.deepseek_v4.attention import grouped_output
 from deepinfer.models.deepseek_v4.layers import RMSNorm
-from deepinfer.models.deepseek_v41.cache_formats import round_fp8, round_mxfp4, round_nvfp4
+from deepinfer.core.quantization import round_fp8
+from deepinfer.models.deepseek_v41.cache_formats import round_mxfp4, round_nvfp4
 from deepinfer.models.deepseek_v41.layers import ComplexRotary
 from deepinfer.plugins.interfaces import AttentionBackend
 
 
 def _linear(rows: int, cols: int, dtype=None) -> nn.Linear:
+    """A projection the release always ships in bf16/fp32."""
     return nn.Linear(cols, rows, bias=False, dtype=dtype)
 
 
@@ -76,7 +79,7 @@ class Indexer(nn.Module):
         self.is_candidate_source = layer_id == c.candidate_source_layer_id
         self.uses_candidates = c.uses_candidates(layer_id)
         self.block_size, self.top_blocks = c.candidate_block_size, c.candidate_topk_blocks
-        self.wq_b = _linear(self.n_heads * self.dim, c.q_lora_rank)
+        self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.dim)
         self.weights_proj = _linear(self.n_heads, c.hidden_size)
         if owns_keys:
             self.wk = _linear(self.dim, c.head_dim)
@@ -121,13 +124,13 @@ class Attention(nn.Module):
         self.n_heads, self.head_dim, self.o_groups = c.num_heads, c.head_dim, c.o_groups
         self.ratio = c.compress_ratios[layer_id]
         self.scale = self.head_dim**-0.5
-        self.wq_a = _linear(c.q_lora_rank, c.hidden_size)
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = _linear(c.num_heads * c.head_dim, c.q_lora_rank)
-        self.wkv = _linear(c.head_dim, c.hidden_size)
+        self.wq_b = Linear(c.q_lora_rank, c.num_heads * c.head_dim)
+        self.wkv = Linear(c.hidden_size, c.head_dim)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.wo_a = _linear(c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
-        self.wo_b = _linear(c.hidden_size, c.o_groups * c.o_lora_rank)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32), requires_grad=False)
         self.source = c.kv_source(layer_id) if self.ratio else None
         owns = self.ratio > 0 and self.source == layer_id
@@ -153,7 +156,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qr = self.q_norm(self.wq_a(x))
         q = self.rotary.apply(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), phases)
-        kv = round_fp8(self.rotary.apply(self.kv_norm(self.wkv(x)), phases))
+        kv = round_fp8(self.rotary.apply(self.kv_norm(self.wkv(x)), phases), 32)
         raw = caches.pool("swa", "kv", self.layer_id)
         raw.index_copy_(0, batch.swa_slots, kv.to(raw.dtype))
         sources = [(raw, batch.window)]

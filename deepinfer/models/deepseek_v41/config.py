@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from deepinfer.core.quantization import weight_block_size
+
 from deepinfer.models.deepseek_v4.config import YarnConfig, _dtype, _required, _rope_head_dim, _rope_setup
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
@@ -75,6 +77,12 @@ class DeepseekV41ModelConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+        self.weight_block_size  # a malformed block is a config error, reported now rather than at load
+
+    @property
+    def weight_block_size(self) -> tuple[int, int]:
+        """FP8 weight tile (V4.1 ships 32 x 32); activations are rounded in 1 x (its column count) segments."""
+        return weight_block_size(self.quantization_config, (32, 32))
 
     # -- layer roles ----------------------------------------------------------------------------
     def kv_source(self, layer: int) -> int:

@@ -18,6 +18,8 @@ import math
 import torch
 from torch import nn
 
+from deepinfer.core.linear import Linear
+
 
 def normalised_vocabulary(tokenizer) -> tuple[list[int], int]:
     """(normalised id of every token id, number of normalised ids)."""
@@ -84,10 +86,10 @@ class NgramHasher(nn.Module):
             offsets.append([0] + list(np.cumsum(layer_primes[:-1])))
             rng = np.random.default_rng(10007 * layer)
             multipliers.append((rng.integers(0, bound, size=(self.order,), dtype=np.int64) * 2 + 1).tolist())
-        self.register_buffer("token_map", torch.tensor(mapping, dtype=torch.int64), persistent=False)
-        self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)
-        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.int64), persistent=False)
-        self.register_buffer("multipliers", torch.tensor(multipliers, dtype=torch.int64), persistent=False)
+        self.register_buffer("token_map", torch.tensor(mapping, dtype=torch.int64, device="cpu"), persistent=False)
+        self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64, device="cpu"), persistent=False)
+        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.int64, device="cpu"), persistent=False)
+        self.register_buffer("multipliers", torch.tensor(multipliers, dtype=torch.int64, device="cpu"), persistent=False)
 
     def forward(self, token_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """``token_ids`` [T]; ``history`` [T, N-1] the preceding ids, oldest first, -1 before the sequence start."""
@@ -110,7 +112,7 @@ class Engram(nn.Module):
         self.index = c.engram_layer_ids.index(layer_id)
         self.hidden, self.hc_mult, self.eps = c.hidden_size, c.hc_mult, c.rms_norm_eps
         lookups = (c.engram_max_ngram_size - 1) * c.engram_n_heads
-        self.wkv = nn.Linear(lookups * c.engram_head_dim, c.hidden_size * (c.hc_mult + 1), bias=False)
+        self.wkv = Linear(lookups * c.engram_head_dim, c.hidden_size * (c.hc_mult + 1))
         self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
         self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
         # FP8 rows and their per-32-channel scales, memory-mapped from the checkpoint (set by the loader)

@@ -22,7 +22,7 @@ class ComplexRotary:
     def __init__(self, config, compressed: bool):
         dim = config.rope_head_dim
         theta = config.compress_rope_theta if compressed else config.rope_theta
-        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
         yarn = config.yarn if compressed else None
         if yarn is not None:
             def pair_index(rotations: float) -> float:
@@ -30,7 +30,7 @@ class ComplexRotary:
 
             low = max(math.floor(pair_index(yarn.beta_fast)), 0)
             high = min(math.ceil(pair_index(yarn.beta_slow)), dim - 1)
-            ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+            ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
             freqs = freqs / yarn.factor * ramp + freqs * (1 - ramp)
         self.freqs = freqs
         self.rope_dim = dim

@@ -25,6 +25,7 @@ from torch import nn
 
 from deepinfer.core.forward_batch import ForwardBatch
 from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
+from deepinfer.core.linear import cast_floating
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v41.attention import Attention, Selection
@@ -80,9 +81,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        for name, tensor in self.state_dict().items():
-            if tensor.is_floating_point():
-                tensor.data = tensor.data.to(torch.float32 if name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) else dtype)
+        cast_floating(self, dtype, lambda name: name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) is not None)
         if c.engram_layer_ids:
             if tokenizer is None:
                 raise ValueError("DeepSeek-V4.1's Engram layers hash normalised token ids and need the tokenizer")
@@ -115,15 +114,14 @@ class DeepseekV41ForCausalLM(nn.Module):
     def kept_as_loaded(name: str) -> bool:
         return name.startswith("mtp.")
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        for path, target in self.state_dict().items():
-            target.copy_(tensors[self.checkpoint_name(path)])
+    def attach(self, extras: dict[str, torch.Tensor]) -> None:
+        """Engram tables (memory-mapped, read row by row on the host) and the DSpark draft tensors as loaded."""
         for layer in self.layers:
             if layer.engram is not None:
                 i = self.config.engram_layer_ids[layer.engram.index]
-                layer.engram.table = tensors[f"layers.{i}.engram.embed.weight"]
-                layer.engram.table_scale = tensors[f"layers.{i}.engram.embed.scale"]
-        self.draft_tensors = {name: t for name, t in tensors.items() if self.kept_as_loaded(name)}
+                layer.engram.table = extras[f"layers.{i}.engram.embed.weight"]
+                layer.engram.table_scale = extras[f"layers.{i}.engram.embed.scale"]
+        self.draft_tensors = {name: t for name, t in extras.items() if self.kept_as_loaded(name)}
         stages = {int(name.split(".")[1]) for name in self.draft_tensors}
         if stages and stages != set(range(self.config.num_nextn_predict_layers)):
             raise ValueError(f"checkpoint has DSpark stages mtp.{sorted(stages)} but num_nextn_predict_layers is "

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core.ops import swiglu
+from deepinfer.core.ops import project, swiglu
 from deepinfer.plugins.hookspecs import hookimpl
+
+
+def _scale(scales: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if scales is None else scales[expert]
 
 
 class TorchMoE:
@@ -13,9 +17,13 @@ class TorchMoE:
 
     def routed_experts(self, x, topk_ids, topk_weights, weights):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        block = weights.activation_block
         for expert in topk_ids.unique().tolist():
             tokens, slots = torch.where(topk_ids == expert)
-            h = swiglu(x[tokens], weights.w1[expert], weights.w3[expert], weights.w2[expert], weights.swiglu_limit)
+            rows = x[tokens]
+            gate = project(rows, weights.w1[expert], _scale(weights.w1_scale, expert), block)
+            up = project(rows, weights.w3[expert], _scale(weights.w3_scale, expert), block)
+            h = project(swiglu(gate, up, weights.swiglu_limit), weights.w2[expert], _scale(weights.w2_scale, expert), block)
             out.index_add_(0, tokens, h * topk_weights[tokens, slots].unsqueeze(-1))
         return out.to(x.dtype)
 

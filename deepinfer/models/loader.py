@@ -1,0 +1,43 @@
+"""Building a model on its device straight from the checkpoint, in the checkpoint's own formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from deepinfer.core.linear import materialize, quantizable_weights
+from deepinfer.core.weights import dummy_layout, fill_dummy, plan_load, stream_into
+from deepinfer.models.registry import checkpoint_naming, model_class
+from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MoEBackend
+
+
+def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, moe: MoEBackend,
+               linear: LinearBackend, dtype: torch.dtype, device: torch.device, tokenizer=None,
+               quantization: str = "auto", load_format: str = "auto", seed: int = 0) -> nn.Module:
+    """The model with its weights on ``device``.
+
+    ``quantization="auto"`` keeps FP8 / MXFP4 weights as the checkpoint stores them (device memory about the
+    checkpoint's size); ``"none"`` dequantizes them to ``dtype`` as they are read, for debugging. ``load_format``
+    ``"dummy"`` skips the weight files: random weights are created on ``device`` in the released formats.
+    """
+    # meta: no memory is touched until the checkpoint says how each tensor is stored
+    with torch.device("meta"):
+        model = model_class(model_config)(model_config, attention, moe, dtype, tokenizer=tokenizer)
+    expected = model.expected_tensors()
+    quantizable = quantizable_weights(model, model.checkpoint_name) if quantization == "auto" else set()
+    block = model_config.weight_block_size
+    if load_format == "dummy":
+        mapped = {name for name in expected if model.memory_mapped(name)}
+        layout = dummy_layout({n: s for n, s in expected.items() if n not in mapped}, quantizable, block)
+        tensors = materialize(model, layout, model.checkpoint_name, device, linear, block[1])
+        extras = {name: torch.empty(expected[name][0], dtype=expected[name][1]) for name in mapped}
+        fill_dummy({**tensors, **extras}, seed, model_config.n_routed_experts)
+    else:
+        plan = plan_load(model_dir, expected, canonical=checkpoint_naming(model_config), quantizable=quantizable,
+                         block=block, memory_mapped=model.memory_mapped, keep=model.kept_as_loaded)
+        tensors = materialize(model, plan.layout, model.checkpoint_name, device, linear, block[1])
+        extras = stream_into(plan, tensors, device)
+    model.attach(extras)
+    return model.to(device)  # the buffers the model computes itself (RoPE, hashing tables)

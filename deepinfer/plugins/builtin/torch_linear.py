@@ -1,0 +1,18 @@
+"""Reference GEMM over quantized weights: dequantizes a slab of rows at a time (``blockwise_linear``)."""
+
+from __future__ import annotations
+
+from deepinfer.core.quantization import blockwise_linear
+from deepinfer.plugins.hookspecs import hookimpl
+
+
+class TorchLinear:
+    name = "torch-reference"
+
+    def linear(self, x, weight, scale, activation_block):
+        return blockwise_linear(x, weight, scale, activation_block)
+
+
+@hookimpl(trylast=True)
+def deepinfer_linear_backend(config, device):
+    return TorchLinear()
