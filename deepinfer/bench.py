@@ -40,7 +40,8 @@ def _result(elapsed: float, args, output_tokens: int) -> dict:
 def run_deepinfer(args, prompts) -> dict:
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.num_prompts, 1))
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.num_prompts, 1),
+              quantization=args.quantization)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -74,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                        help="keep FP8/MXFP4 weights (auto) or dequantize them when loading (none)")
     parser.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", help="write the results here")

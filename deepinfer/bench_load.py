@@ -81,7 +81,27 @@ def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def _measured(load, device: torch.device, host_resident: bool) -> dict:
+    """Seconds and peak host memory ``load()`` adds; the bytes it returns (left on ``device``) are not counted
+    when they live in host memory."""
+    _reset_peak_rss()
+    baseline = _status_bytes("VmRSS")
+    start = time.perf_counter()
+    tensors = load()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = _status_bytes("VmHWM")
+    kept = sum(t.numel() * t.element_size() for t in tensors)
+    return {"seconds": seconds, "bytes_on_device": kept, "baseline_rss_bytes": baseline, "peak_rss_bytes": peak,
+            "added_rss_bytes": peak - baseline - (kept if host_resident else 0)}
+
+
 def measure(model_dir: Path, device: torch.device, quantization: str) -> dict:
+    """DeepInfer's loader, then (on an accelerator) the plain way as the peer: safetensors ``load_file`` of each
+    shard straight onto the device, which keeps every tensor in the model's checkpoint format too."""
+    from safetensors.torch import load_file
+
     from deepinfer.core.tokenizer import load_tokenizer
     from deepinfer.models.loader import load_model
     from deepinfer.models.registry import model_config
@@ -93,26 +113,31 @@ def measure(model_dir: Path, device: torch.device, quantization: str) -> dict:
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     if device.type == "cuda":
         torch.empty(1, device=device)  # the CUDA context's host memory belongs to the baseline
-    _reset_peak_rss()
-    baseline = _status_bytes("VmRSS")
-    start = time.perf_counter()
-    model = load_model(config, model_dir, attention=TorchAttention(), moe=TorchMoE(), linear=TorchLinear(),
-                       dtype=config.dtype, device=device, tokenizer=tokenizer, quantization=quantization)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    peak = _status_bytes("VmHWM")
     index = CheckpointIndex.from_dir(model_dir)
     shard_sizes = [(model_dir / f).stat().st_size for f in index.files]
-    model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    added = peak - baseline - (model_bytes if device.type == "cpu" else 0)
-    return {
-        "checkpoint_bytes": sum(shard_sizes), "shards": len(shard_sizes), "largest_shard_bytes": max(shard_sizes),
-        "model_bytes_on_device": model_bytes, "device": str(device), "quantization": quantization,
-        "baseline_rss_bytes": baseline, "peak_rss_bytes": peak, "load_added_rss_bytes": added,
-        "added_rss_over_largest_shard": added / max(shard_sizes), "seconds": seconds,
-        "gb_per_second": sum(shard_sizes) / seconds / 1e9,
+    host = device.type == "cpu"
+
+    def deepinfer_load():
+        model = load_model(config, model_dir, attention=TorchAttention(), moe=TorchMoE(), linear=TorchLinear(),
+                           dtype=config.dtype, device=device, tokenizer=tokenizer, quantization=quantization)
+        return [*model.parameters(), *model.buffers()]
+
+    def safetensors_load():
+        return [t for f in index.files for t in load_file(model_dir / f, device=str(device)).values()]
+
+    largest = max(shard_sizes)
+    ours = _measured(deepinfer_load, device, host)
+    results = {
+        "checkpoint_bytes": sum(shard_sizes), "shards": len(shard_sizes), "largest_shard_bytes": largest,
+        "device": str(device), "quantization": quantization,
+        "deepinfer": {**ours, "added_rss_over_largest_shard": ours["added_rss_bytes"] / largest},
     }
+    if device.type != "cpu":  # on the CPU load_file only maps the files, so there is nothing to compare
+        torch.cuda.empty_cache()
+        peer = _measured(safetensors_load, device, host)
+        results["safetensors_load_file"] = {**peer, "added_rss_over_largest_shard": peer["added_rss_bytes"] / largest}
+        results["ratio_seconds"] = ours["seconds"] / peer["seconds"]
+    return results
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
