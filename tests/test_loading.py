@@ -15,7 +15,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
 from deepinfer import envs
-from deepinfer.core.model_source import DEFAULT_MODEL, resolve_model_dir
+from deepinfer.core.model_source import DEFAULT_MODEL, EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, resolve_model_dir
 from deepinfer.core.checkpoint import INDEX_FILE, CheckpointIndex
 from deepinfer.core.weights import load_state_dict
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, YarnConfig, inv_freq
@@ -236,12 +236,22 @@ def test_resolve_model_dir_offline_and_uncached_is_explained(tmp_path):
     # A fresh interpreter: huggingface_hub reads HF_HUB_OFFLINE and HF_HOME once, at import.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DEEPINFER_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path), PYTHONPATH=str(REPO_ROOT))
-    script = ("from deepinfer.core.model_source import resolve_model_dir\n"
-              "try:\n    resolve_model_dir(None)\nexcept FileNotFoundError as err:\n    print(err)\n")
+    script = ("from deepinfer.core.model_source import DEFAULT_MODEL, EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, resolve_model_dir\n"
+              "print(resolve_model_dir(None))\n"
+              "try:\n    resolve_model_dir(DEFAULT_MODEL)\nexcept FileNotFoundError as err:\n    print(err)\n")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    fallback, named = result.stdout.splitlines()
+    # the default falls back to the embedded model, saying so once; a model the user named never does
+    assert Path(fallback) == EMBEDDED_MODEL_DIR
+    warnings = [line for line in result.stderr.splitlines() if EMBEDDED_MODEL in line]
+    assert len(warnings) == 1 and "HF_HUB_OFFLINE is set" in warnings[0] and "DEEPINFER_HF_MODEL_DIR" in warnings[0]
     for needed in (DEFAULT_MODEL, "HF_HUB_OFFLINE", "DEEPINFER_HF_MODEL_DIR", str(tmp_path)):
-        assert needed in result.stdout
+        assert needed in named
+
+
+def test_embedded_model_is_named_explicitly(environ):
+    assert resolve_model_dir(EMBEDDED_MODEL) == EMBEDDED_MODEL_DIR
 
 
 def test_config_from_hf_saved_json(config):

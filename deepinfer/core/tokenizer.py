@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.utils import logging as transformers_logging
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded together with the first generated ones, so that decoders which treat
@@ -19,8 +21,10 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     if not model_dir.is_dir():
         raise ValueError(f"cannot load a tokenizer from {model_dir}: not a directory")
     try:
-        # Local only: an offline engine must not turn a mistyped path into a hub download.
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        # Local only: an offline engine must not turn a mistyped path into a hub download. transformers reads
+        # config.json too and warns that V4.1's nested configs are "a model of type ``": not about the tokenizer.
+        with _transformers_errors_only():
+            return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as auto_error:
         # Checkpoints may ship a tokenizer.json without a config transformers understands.
         tokenizer_file = model_dir / "tokenizer.json"
@@ -36,6 +40,16 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
                 f"cannot load a tokenizer from {model_dir}: AutoTokenizer failed ({auto_error}) "
                 f"and {tokenizer_file} failed ({file_error})"
             ) from file_error
+
+
+@contextlib.contextmanager
+def _transformers_errors_only():
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
 
 
 class DetokenizerStep(NamedTuple):

@@ -49,7 +49,7 @@ def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, 0)]
     )
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(16384), indent=2, ensure_ascii=False))
     return out_dir
 
 
@@ -65,7 +65,8 @@ def _training_texts() -> list[str]:
     return texts
 
 
-def _tokenizer_config() -> dict:
+def tokenizer_config(model_max_length: int) -> dict:
+    """``tokenizer_config.json`` for a DeepSeek-style fast tokenizer (BOS prepended, no EOS appended)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
@@ -74,5 +75,5 @@ def _tokenizer_config() -> dict:
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 16384,
+        "model_max_length": model_max_length,
     }
