@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -6,6 +7,10 @@ import torch
 # Before any torch op starts the intra-op thread pool, so every worker thread inherits it:
 # subnormal floats from the tiny random models make CPU kernels ~100x slower.
 torch.set_flush_denormal(True)
+# Without a GPU, Triton kernels can only run in Triton's interpreter. Triton reads the switch once, when it is
+# first imported, and other imports (transformers' models) may import it before the kernel tests do.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deepinfer import envs
 from deepinfer.logger import ROOT_LOGGER_NAME, init_logger

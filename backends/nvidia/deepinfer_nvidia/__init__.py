@@ -1,0 +1,1 @@
+"""DeepInfer's NVIDIA backend plugin (``deepinfer_nvidia.plugin``); kernels are imported only on CUDA devices."""

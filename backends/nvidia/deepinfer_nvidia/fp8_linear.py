@@ -1,0 +1,171 @@
+"""Block-scaled FP8 GEMM in Triton: ``y = x W^T`` for an e4m3 weight [N, K] with e8m0 tile scales.
+
+Two kernels, as the release's GEMMs work: ``act_quant`` rounds ``x`` to e4m3 with one power-of-two scale per
+``1 x BK`` segment (bit-exact with ``deepinfer.core.quantization.round_fp8``), then ``fp8_gemm`` multiplies one
+``BK``-deep tile at a time on the tensor cores and adds each tile's fp32 partial product times both scales. On
+Hopper an fp8 MMA accumulates in reduced precision, so promoting every BK = 32 or 128 values keeps the sum exact
+to fp32 rounding. ``BK`` is the activation block, which equals the weight's column tile (the loader checks the
+scales against ``quantization_config.weight_block_size``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.core.quantization import blockwise_linear, infer_block
+from deepinfer.logger import init_logger, log_once
+
+logger = init_logger(__name__)
+
+
+@triton.jit
+def _pow2_ceil(v):
+    """Smallest power of two >= v (v > 0): bump the exponent when any mantissa bit is set."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """e4m3's nearest value (ties to even) of ``v`` in [-448, 448], in fp32 arithmetic.
+
+    The interpreter's fp32 -> e4m3 conversion rounds ties away and mishandles carries into the exponent, so off the
+    GPU the rounding is done here and the conversion only stores values that are already exact.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (v + 24576.0) - 24576.0  # 1.5 * 2^14: fp32 spacing there is 2^-9, e4m3's subnormal step
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_blocks, BLOCK: tl.constexpr,
+                      NATIVE_FP8: tl.constexpr):
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4) * (1.0 / 448.0))
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    if not NATIVE_FP8:
+        q = _round_to_e4m3(q)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * num_blocks + block, scale)
+
+
+def _configs() -> list[triton.Config]:
+    shapes = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (32, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3),
+              (128, 128, 8, 3), (128, 64, 4, 3)]
+    return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in shapes]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Row tiles no taller than the (bucketed) token count: decode steps get 16-row tiles."""
+    fitting = [c for c in configs if c.kwargs["BM"] <= max(16, named_args["M_BUCKET"])]
+    return fitting or configs[:1]
+
+
+@triton.jit
+def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, stride_q, stride_w, stride_sw,
+                     stride_y, NUM_BLOCKS: tl.constexpr, W_ROW_TILE: tl.constexpr, BK: tl.constexpr,
+                     NATIVE_FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for block in range(NUM_BLOCKS):
+        k = block * BK + offs_k
+        a = tl.load(q_ptr + offs_m[:, None] * stride_q + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + offs_n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+        if NATIVE_FP8:
+            part = tl.dot(a, tl.trans(b))
+        else:  # the interpreter (and pre-Hopper GPUs) multiply the same values in fp32
+            part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+        sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + block, mask=m_ok, other=0.0)
+        sw = tl.load(sw_ptr + (offs_n // W_ROW_TILE) * stride_sw + block, mask=n_ok, other=0.0)
+        acc += part * sx[:, None] * sw[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (e4m3 [M, K], fp32 power-of-two scales [M, ceil(K / block)])."""
+    rows, cols = x.shape
+    num_blocks = triton.cdiv(cols, block)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(rows, num_blocks, dtype=torch.float32, device=x.device)
+    if rows:
+        _act_quant_kernel[(rows, num_blocks)](x, q, scales, cols, x.stride(0), q.stride(0), num_blocks, BLOCK=block,
+                                              NATIVE_FP8=_native_fp8(x.device))
+    return q, scales
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int) -> torch.Tensor:
+    """``x`` [..., K] times an e4m3 ``weight`` [N, K] with e8m0 ``scale`` tiles whose column edge is
+    ``activation_block``; returns [..., N] in ``x``'s dtype."""
+    n, k = weight.shape
+    if infer_block(k, scale.shape[1]) != activation_block:
+        raise ValueError(f"weight tiles of {infer_block(k, scale.shape[1])} columns do not match the activation "
+                         f"block {activation_block}")
+    flat = x.reshape(-1, k).contiguous()
+    q, sx = act_quant(flat, activation_block)
+    y = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)
+    m = flat.shape[0]
+    if m:
+        def grid(meta):
+            return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"])
+
+        # the interpreter cannot time configurations: it runs the smallest tile
+        kernel, tiles = (_fp8_gemm_kernel, {"BM": 16, "BN": 32}) if _INTERPRETED else (_tuned_gemm(), {})
+        kernel[grid](q, sx, weight, _fp32_scales(scale), y, m, n, k, min(triton.next_power_of_2(m), 128),
+                     q.stride(0), weight.stride(0), scale.shape[1], y.stride(0), NUM_BLOCKS=sx.shape[1],
+                     W_ROW_TILE=infer_block(n, scale.shape[0]), BK=activation_block, NATIVE_FP8=_native_fp8(x.device),
+                     **tiles)
+    return y.view(*x.shape[:-1], n)
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _tuned_gemm():
+    """The GEMM autotuned once per (token-count bucket, N, K)."""
+    return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
+                           prune_configs_by={"early_config_prune": _prune})(_fp8_gemm_kernel)
+
+
+def _fp32_scales(scale: torch.Tensor) -> torch.Tensor:
+    """The e8m0 tile scales as fp32 (what the kernel reads), converted once per weight rather than per call.
+
+    The copy hangs on the scale tensor itself, so it lives and dies with that weight (weights do not change once
+    loaded); a cache keyed by address could hand a freed weight's scales to a new one.
+    """
+    cached = getattr(scale, "_deepinfer_fp32", None)
+    if cached is None:
+        cached = scale._deepinfer_fp32 = scale.float().contiguous()
+    return cached
+
+
+def _native_fp8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class TritonLinear:
+    name = "triton-fp8"
+
+    def linear(self, x, weight, scale, activation_block):
+        if weight.dtype == torch.float8_e4m3fn:
+            return fp8_linear(x, weight, scale, activation_block)
+        log_once(logger, logging.WARNING, "MXFP4 dense projections: no Triton kernel yet, the torch reference multiplies them")
+        return blockwise_linear(x, weight, scale, activation_block)

@@ -1,0 +1,14 @@
+"""Hook implementations: each answers only for CUDA devices, so on any other device the built-ins serve."""
+
+from __future__ import annotations
+
+from deepinfer.plugins import hookimpl
+
+
+@hookimpl
+def deepinfer_linear_backend(config, device):
+    if device.type != "cuda":
+        return None
+    from deepinfer_nvidia.fp8_linear import TritonLinear  # triton is imported only when a GPU will use it
+
+    return TritonLinear()

@@ -1,0 +1,78 @@
+"""The NVIDIA backend's Triton FP8 GEMM against the torch reference (``blockwise_linear``).
+
+On a GPU the kernels run natively at real shapes; elsewhere Triton's interpreter runs them at tiny shapes (its
+fp32 -> e4m3 conversion is wrong, so the kernel rounds in fp32 arithmetic there, and both paths are checked bit for
+bit against ``round_fp8``). Skipped when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Triton's interpreter on without a GPU"
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
+
+from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
+from deepinfer_nvidia import plugin  # noqa: E402
+from deepinfer_nvidia.fp8_linear import TritonLinear, act_quant  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+# (tokens, out, in, block): V4's 128 tiles and V4.1's 32 tiles, ragged edges, decode and prefill sizes
+SHAPES = [(1, 64, 96, 32), (5, 70, 96, 32), (3, 130, 256, 128)]
+if CUDA:
+    SHAPES += [(1, 4096, 4096, 128), (64, 1024, 4096, 128), (300, 2048, 7168, 128), (16, 5120, 1024, 32),
+               (1000, 3072, 5120, 32)]
+
+
+def _poison() -> None:
+    """Leave NaNs where the caching allocator will hand out the kernels' next buffers."""
+    if CUDA:
+        torch.full((1 << 26,), float("nan"), device=DEVICE)
+
+
+def _inputs(tokens: int, cols: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # channels over seven decades: e4m3 normals, subnormals inside a segment, and ties
+    x = torch.randn(tokens, cols, generator=g) * torch.logspace(-6, 1, cols)
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("tokens, out, cols, block", SHAPES)
+def test_act_quant_is_bit_exact(tokens, out, cols, block):
+    x = _inputs(tokens, cols, seed=tokens + cols)
+    _poison()
+    q, scales = act_quant(x, block)
+    ours = q.float() * scales.repeat_interleave(block, 1)[:, :cols]
+    assert torch.equal(ours, round_fp8(x, block))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, out, cols, block", SHAPES)
+def test_fp8_linear_matches_the_reference(tokens, out, cols, block, dtype):
+    g = torch.Generator().manual_seed(out)
+    weight, scale = quantize_fp8(torch.randn(out, cols, generator=g) * cols**-0.5, block, block)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = _inputs(tokens, cols, seed=out + cols, dtype=dtype)
+    _poison()
+    ours = TritonLinear().linear(x, weight, scale, block)
+    reference = blockwise_linear(x.float(), weight, scale, block)
+    assert ours.dtype == dtype and ours.shape == (tokens, out)
+    # The same products summed in another order, then rounded to the output dtype (one bf16 ulp: the interpreter
+    # truncates where the GPU rounds to nearest). Hopper's fp8 MMAs keep only about 14 bits while they accumulate
+    # one tile (DeepSeek-V3 report, 3.3.2), which the kernel promotes to fp32 every BK: 2^-9 of sum |x||w| covers it.
+    magnitude = round_fp8(x.float(), block).abs() @ dequantize(weight, scale, torch.float32).abs().T
+    tolerance = magnitude * (2**-9 if CUDA else 1e-5) + (reference.abs() * 2**-7 if dtype == torch.bfloat16 else 0)
+    assert torch.all((ours.float() - reference).abs() <= tolerance)
+
+
+def test_plugin_answers_only_on_cuda():
+    assert plugin.deepinfer_linear_backend(config=None, device=torch.device("cpu")) is None
+    if CUDA:
+        assert isinstance(plugin.deepinfer_linear_backend(config=None, device=DEVICE), TritonLinear)
