@@ -73,6 +73,10 @@ def test_fp8_linear_matches_the_reference(tokens, out, cols, block, dtype):
 
 
 def test_plugin_answers_only_on_cuda():
-    assert plugin.deepinfer_linear_backend(config=None, device=torch.device("cpu")) is None
+    from deepinfer_nvidia.fp4_moe import TritonMoE
+
+    for hook in (plugin.deepinfer_linear_backend, plugin.deepinfer_moe_backend):
+        assert hook(config=None, device=torch.device("cpu")) is None
     if CUDA:
         assert isinstance(plugin.deepinfer_linear_backend(config=None, device=DEVICE), TritonLinear)
+        assert isinstance(plugin.deepinfer_moe_backend(config=None, device=DEVICE), TritonMoE)

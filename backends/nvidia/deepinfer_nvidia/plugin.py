@@ -12,3 +12,13 @@ def deepinfer_linear_backend(config, device):
     from deepinfer_nvidia.fp8_linear import TritonLinear  # triton is imported only when a GPU will use it
 
     return TritonLinear()
+
+
+@hookimpl
+def deepinfer_moe_backend(config, device):
+    if device.type != "cuda":
+        return None
+    from deepinfer.plugins.builtin.torch_moe import TorchMoE
+    from deepinfer_nvidia.fp4_moe import TritonMoE
+
+    return TritonMoE(reference=TorchMoE())
