@@ -83,15 +83,12 @@ class LoadPlan:
     index: CheckpointIndex
     stored: dict[str, StoredTensor]  # every tensor of every shard, from the headers
     layout: dict[str, TensorSpec]  # what the model allocates, by canonical name
-    reads: dict[str, list[str]]  # shard -> checkpoint names to copy in, in header order
+    copied: list[StoredTensor]  # copied into the model's tensors (read in file order)
     dequantized: set[str]  # checkpoint names of weights/scales dequantized when read
     mapped: list[StoredTensor]  # returned as views of the file
     kept: list[StoredTensor]  # returned as stored
     canonical: Callable[[str], str | None]
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.stored[name].nbytes for names in self.reads.values() for name in names)
 
 
 def plan_load(
@@ -151,11 +148,8 @@ def plan_load(
     mapped_names = {t.name for t in mapped}
     problems.missing += [n for n in expected if n not in layout and n not in problems.seen and n not in mapped_names]
     problems.raise_if_any(model_dir)
-    reads: dict[str, list[str]] = {}
-    sources = {p.stored.name: p.stored for ps in parts.values() for p in ps}
-    for stored in sources.values():
-        reads.setdefault(stored.file, []).append(stored.name)
-    return LoadPlan(index, headers, layout, reads, dequantized, mapped, kept, canonical)
+    copied = list({p.stored.name: p.stored for ps in parts.values() for p in ps}.values())
+    return LoadPlan(index, headers, layout, copied, dequantized, mapped, kept, canonical)
 
 
 def _check_exact(stored: StoredTensor, expected: dict[str, TensorSpec], problems: _Problems) -> None:
@@ -262,12 +256,11 @@ def stream_into(plan: LoadPlan, targets: dict[str, torch.Tensor], device: torch.
     """
     extras = {t.name: mapped_tensor(plan.index.directory / t.file, t.name) for t in plan.mapped}
     kept = {t.name for t in plan.kept}
-    count = sum(len(names) for names in plan.reads.values()) + len(plan.kept)
-    bar = tqdm(total=plan.total_bytes + sum(t.nbytes for t in plan.kept), unit="B", unit_scale=True,
-               desc="Loading weights", disable=not progress)
+    reads = plan.copied + plan.kept
+    bar = tqdm(total=sum(t.nbytes for t in reads), unit="B", unit_scale=True, desc="Loading weights",
+               disable=not progress)
     halves: dict[str, torch.Tensor] = {}  # the first-read half of a weight that is dequantized when read
     done = 0
-    reads = [plan.stored[name] for names in plan.reads.values() for name in names] + plan.kept
     with bar:
         for stored, tensor in plan.index.read(reads):
             if stored.name in kept:
@@ -276,7 +269,7 @@ def stream_into(plan: LoadPlan, targets: dict[str, torch.Tensor], device: torch.
                 _place(plan, stored.name, tensor, targets, halves)
             done += 1
             bar.update(stored.nbytes)
-            bar.set_postfix_str(f"{done}/{count} tensors", refresh=False)
+            bar.set_postfix_str(f"{done}/{len(reads)} tensors", refresh=False)
     return extras
 
 

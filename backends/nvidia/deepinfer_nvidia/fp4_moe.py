@@ -74,8 +74,9 @@ def _grouped_fp4_gemm_kernel(a_ptr, sa_ptr, rows_ptr, w_ptr, sw_ptr, out_ptr, bl
 
 def _blocks(topk_ids: torch.Tensor, experts: int):
     """Sorted assignment order and, per block of BM rows, its expert, first sorted row and row count."""
-    order = torch.argsort(topk_ids.flatten(), stable=True)
-    counts = torch.bincount(topk_ids.flatten(), minlength=experts)
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
     per_expert = (counts + BM - 1) // BM
     expert_of_block = torch.repeat_interleave(torch.arange(experts, device=topk_ids.device), per_expert)
     first_row = torch.cumsum(counts, 0) - counts  # of each expert's segment in sorted order

@@ -115,9 +115,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
     """``x`` [..., K] times an e4m3 ``weight`` [N, K] with e8m0 ``scale`` tiles whose column edge is
     ``activation_block``; returns [..., N] in ``x``'s dtype."""
     n, k = weight.shape
-    if infer_block(k, scale.shape[1]) != activation_block:
-        raise ValueError(f"weight tiles of {infer_block(k, scale.shape[1])} columns do not match the activation "
-                         f"block {activation_block}")
+    column_tile = infer_block(k, scale.shape[1])
+    if column_tile != activation_block:
+        raise ValueError(f"weight tiles of {column_tile} columns do not match the activation block {activation_block}")
     flat = x.reshape(-1, k).contiguous()
     q, sx = act_quant(flat, activation_block)
     y = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)
@@ -157,6 +157,7 @@ def _fp32_scales(scale: torch.Tensor) -> torch.Tensor:
     return cached
 
 
+@functools.cache  # asked twice per projection per step; the answer never changes
 def _native_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
