@@ -107,6 +107,7 @@ def measure(model_dir: Path, device: torch.device, quantization: str) -> dict:
     from deepinfer.models.registry import model_config
     from deepinfer.plugins.builtin.torch_attention import TorchAttention
     from deepinfer.plugins.builtin.torch_linear import TorchLinear
+    from deepinfer.plugins.builtin.torch_mhc import TorchMHC
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
 
     config = model_config(model_dir)
@@ -119,7 +120,7 @@ def measure(model_dir: Path, device: torch.device, quantization: str) -> dict:
 
     def deepinfer_load():
         model = load_model(config, model_dir, attention=TorchAttention(), moe=TorchMoE(), linear=TorchLinear(),
-                           dtype=config.dtype, device=device, tokenizer=tokenizer, quantization=quantization)
+                           mhc=TorchMHC(), dtype=config.dtype, device=device, tokenizer=tokenizer, quantization=quantization)
         return [*model.parameters(), *model.buffers()]
 
     def safetensors_load():

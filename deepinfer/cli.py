@@ -18,11 +18,12 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     bench_parser = commands.add_parser("bench", help="benchmarks")
     kinds = bench_parser.add_subparsers(dest="kind", required=True)
-    bench.add_arguments(kinds.add_parser("throughput", help="offline throughput, optionally against HF transformers"))
+    bench.add_throughput_arguments(kinds.add_parser("throughput", help="offline throughput, optionally against HF"))
+    bench.add_latency_arguments(kinds.add_parser("latency", help="latency of one batch, prefill and decode tokens/s"))
     bench_load.add_arguments(kinds.add_parser("load", help="load time and peak host memory"))
     args = parser.parse_args(argv)
     if args.command == "bench":
-        {"throughput": bench.main, "load": bench_load.main}[args.kind](args)
+        (bench_load.main if args.kind == "load" else bench.main)(args)
 
 
 if __name__ == "__main__":

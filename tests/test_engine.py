@@ -7,6 +7,7 @@ import pytest
 from deepinfer import LLM, SamplingParams
 from deepinfer.plugins import hookimpl
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
+from deepinfer.plugins.builtin.torch_mhc import TorchMHC
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.manager import registered
 
@@ -67,6 +68,29 @@ def test_hook_deepinfer_moe_backend(tiny_v4_checkpoint, llm, caplog):
         assert _tokens(LLM(str(tiny_v4_checkpoint), dtype="float32"), ["import os"]) == expected
     assert CountingMoE.calls > 0
     assert "moe backend: counting-moe (plugin counting)" in caplog.text
+
+
+class CountingMHC(TorchMHC):
+    name = "counting-mhc"
+    calls = 0
+
+    def coefficients(self, *args):
+        CountingMHC.calls += 1
+        return super().coefficients(*args)
+
+
+class MHCPlugin:
+    @hookimpl
+    def deepinfer_mhc_backend(self, config, device):
+        return CountingMHC()
+
+
+def test_hook_deepinfer_mhc_backend(tiny_v4_checkpoint, llm, caplog):
+    expected = _tokens(llm, ["import os"])
+    with registered(MHCPlugin(), "counting"):
+        assert _tokens(LLM(str(tiny_v4_checkpoint), dtype="float32"), ["import os"]) == expected
+    assert CountingMHC.calls > 0
+    assert "mhc backend: counting-mhc (plugin counting)" in caplog.text
 
 
 class Offers:

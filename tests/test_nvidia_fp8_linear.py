@@ -73,7 +73,7 @@ def test_fp8_linear_matches_the_reference(tokens, out, cols, block, dtype):
 
 
 def test_plugin_answers_only_on_cuda():
-    from deepinfer_nvidia.fp4_moe import TritonMoE
+    from deepinfer_nvidia.moe import TritonMoE
 
     for hook in (plugin.deepinfer_linear_backend, plugin.deepinfer_moe_backend):
         assert hook(config=None, device=torch.device("cpu")) is None

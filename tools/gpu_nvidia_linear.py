@@ -60,7 +60,7 @@ def moe() -> list[dict]:
     from deepinfer.core.quantization import quantize_fp4
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
     from deepinfer.plugins.interfaces import ExpertWeights
-    from deepinfer_nvidia.fp4_moe import TritonMoE
+    from deepinfer_nvidia.moe import TritonMoE
 
     experts, hidden, inter, top_k = 256, 4096, 2048, 6
 
@@ -124,7 +124,7 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_nvidia_fp8_linear.py",
-                            "tests/test_nvidia_fp4_moe.py"],
+                            "tests/test_nvidia_moe.py"],
                            capture_output=True, text=True)
     print(tests.stdout[-2000:], tests.stderr[-2000:])
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

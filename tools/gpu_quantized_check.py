@@ -40,13 +40,14 @@ def dummy(synth: Path) -> dict:
     from deepinfer.models.registry import model_config
     from deepinfer.plugins.builtin.torch_attention import TorchAttention
     from deepinfer.plugins.builtin.torch_linear import TorchLinear
+    from deepinfer.plugins.builtin.torch_mhc import TorchMHC
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
 
     config = model_config(synth)
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     model = load_model(config, synth, attention=TorchAttention(), moe=TorchMoE(), linear=TorchLinear(),
-                       dtype=config.dtype, device=torch.device("cuda"), load_format="dummy")
+                       mhc=TorchMHC(), dtype=config.dtype, device=torch.device("cuda"), load_format="dummy")
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

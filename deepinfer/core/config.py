@@ -30,6 +30,7 @@ class EngineConfig:
     block_size: int | None = None
     num_cache_tokens: int | None = None
     kv_cache_memory_gb: float = 4.0
+    enforce_eager: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -49,6 +50,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

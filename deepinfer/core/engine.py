@@ -11,6 +11,7 @@ import torch
 from deepinfer import envs
 from deepinfer.core.block_manager import BlockManager
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.cuda_graphs import DecodeGraphs
 from deepinfer.core.feature_flags import check_feature_plugins
 from deepinfer.core.forward_batch import ForwardBatchBuilder
 from deepinfer.core.kv_cache import KVCache, bytes_per_block
@@ -59,15 +60,21 @@ class LLMEngine:
         attention, _ = select_backend("deepinfer_attention_backend", config=config, device=self.device)
         moe, _ = select_backend("deepinfer_moe_backend", config=config, device=self.device)
         linear, _ = select_backend("deepinfer_linear_backend", config=config, device=self.device)
+        mhc, _ = select_backend("deepinfer_mhc_backend", config=config, device=self.device)
         self.sampler, _ = select_backend("deepinfer_sampler", config=config, device=self.device)
         dtype = config.torch_dtype(self.model_config.dtype)
         start = time.perf_counter()
-        self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear,
+        self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear, mhc=mhc,
                                 dtype=dtype, device=self.device, tokenizer=self.tokenizer,
                                 quantization=config.quantization, load_format=config.load_format, seed=config.seed)
         logger.info("loaded %s (%s, %s, %.2f GiB of weights%s) in %.1f s", model_dir, dtype, self.device,
                     _weight_bytes(self.model) / 2**30, ", random: load_format=dummy" if config.load_format == "dummy"
                     else "", time.perf_counter() - start)
+        self.graph_blockers = [f"{kind} backend {b.name} may synchronise with the host" for kind, b in
+                               (("attention", attention), ("moe", moe), ("linear", linear), ("mhc", mhc))
+                               if not b.graph_safe]
+        if self.model.graph_blocker:
+            self.graph_blockers.append(self.model.graph_blocker)
         self._refuse_unsupported_features()
         self._build_caches()
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
@@ -123,6 +130,13 @@ class LLMEngine:
         self.batch_builder = ForwardBatchBuilder(mc.window, overlaps, block_size, rows, self.device,
                                                  self.model.token_history)
         logger.info("cache: %d tokens of full-context state, block size %d, %.1f MiB", tokens, block_size, self.cache.nbytes() / 2**20)
+        self.graphs = None
+        if self.device.type == "cuda" and not c.enforce_eager and self.graph_blockers:
+            logger.warning("CUDA graphs off: %s", "; ".join(self.graph_blockers))
+        elif self.device.type == "cuda" and not c.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.batch_builder, c.max_num_seqs, self.max_model_len)
+            logger.info("decode steps of up to %d requests replay CUDA graphs (enforce_eager=True turns them off)",
+                        self.graphs.sizes[-1])
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -155,13 +169,16 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        batch = self.batch_builder.build(scheduled)
-        streams = self.model(batch, self.cache)
         sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
+        if self.graphs is not None and self.graphs.fits(scheduled):
+            logits = self.graphs.logits(scheduled)
+        else:
+            batch = self.batch_builder.build(scheduled)
+            streams = self.model(batch, self.cache)
+            logits = self.model.compute_logits(streams[batch.logits_rows]) if sampling_requests else None
         self.scheduler.step_done(scheduled)
         if not sampling_requests:
             return []
-        logits = self.model.compute_logits(streams[batch.logits_rows])
         sampling = build_sampling_batch(sampling_requests, self.model_config.vocab_size, self.device)
         sampled = self.sampler.sample(logits, sampling)
         finished = self.outputs.append(sampling_requests, sampled)

@@ -45,6 +45,16 @@ class ForwardBatch:
         history = None if self.token_history is None else self.token_history.to(device, non_blocking=True)
         return ForwardBatch(*move(self, _TENSOR_FIELDS), compressed=compressed, token_history=history)
 
+    def copy_(self, source: "ForwardBatch") -> None:
+        """Overwrite these tensors in place (the static inputs of a captured graph) with ``source``'s."""
+        pairs = [(getattr(self, n), getattr(source, n)) for n in _TENSOR_FIELDS]
+        for ratio, meta in self.compressed.items():
+            pairs += [(getattr(meta, n), getattr(source.compressed[ratio], n)) for n in _META_FIELDS]
+        if self.token_history is not None:
+            pairs.append((self.token_history, source.token_history))
+        for target, value in pairs:
+            target.copy_(value, non_blocking=True)
+
 
 _TENSOR_FIELDS = ("token_ids", "positions", "swa_slots", "window", "logits_rows")
 _META_FIELDS = ("state_slots", "candidates", "close_rows", "close_slots", "close_positions")
@@ -81,7 +91,8 @@ class ForwardBatchBuilder:
         slot = block * rows + (pos % self.block_size) // (self.block_size // rows)
         return torch.where(valid & (block >= 0), slot, -1)
 
-    def build(self, scheduled: list[tuple[object, int, int]]) -> ForwardBatch:
+    def build(self, scheduled: list[tuple[object, int, int]], padded: "PaddedShape | None" = None) -> ForwardBatch:
+        """Slot tensors for the step; with ``padded``, shaped for a captured CUDA graph (see ``PaddedShape``)."""
         requests = [r for r, _, _ in scheduled]
         positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
         owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
@@ -99,9 +110,12 @@ class ForwardBatchBuilder:
             logits_rows=last_rows[wants_logits],
         )
         for ratio, overlap in self.ratios.items():
-            batch.compressed[ratio] = self._compressed(requests, owner, positions, ratio, overlap)
+            width = None if padded is None else padded.candidates[ratio]
+            batch.compressed[ratio] = self._compressed(requests, owner, positions, ratio, overlap, width)
         if self.token_history:
             batch.token_history = self._history(scheduled)
+        if padded is not None:
+            batch = padded.pad(batch)
         return batch.to(self.device) if self.device is not None else batch
 
     def _history(self, scheduled) -> torch.Tensor:
@@ -113,16 +127,23 @@ class ForwardBatchBuilder:
             windows.append(torch.tensor(ids, dtype=torch.int64).unfold(0, h, 1))
         return torch.cat(windows)
 
-    def _compressed(self, requests, owner, positions, ratio: int, overlap: int) -> CompressedMeta:
+    def _compressed(self, requests, owner, positions, ratio: int, overlap: int, width: int | None) -> CompressedMeta:
+        """Without ``width`` only the windows closing in this step are listed; with it, every token gets a close
+        row (-1 slots where its window does not close) and ``width`` candidate columns, so shapes stay fixed."""
         comp_kind, state_kind = f"comp{ratio}", f"state{ratio}"
         comp = self._tables(requests, comp_kind)
         visible = (positions + 1) // ratio
-        entries = torch.arange(int(visible.max()))
+        entries = torch.arange(int(visible.max()) if width is None else width)
         entry_pos = torch.where(entries < visible.unsqueeze(1), entries * ratio, -1)
         closing = (positions + 1) % ratio == 0
-        window_ids = visible[closing] - 1
-        close_owner = owner[closing]
+        if width is None:
+            close_tokens = closing.nonzero().flatten()
+        else:
+            close_tokens = torch.arange(len(positions))
+        window_ids = torch.where(closing, visible - 1, -1)[close_tokens]
+        close_owner = owner[close_tokens]
         row_pos = (window_ids - overlap + 1).unsqueeze(1) * ratio + torch.arange(overlap * ratio)
+        row_pos = torch.where(window_ids.unsqueeze(1) >= 0, row_pos, -1)
         if overlap:
             state = self._tables(requests, state_kind)
             state_slots = self._slots(state, state_kind, owner, positions)
@@ -136,5 +157,49 @@ class ForwardBatchBuilder:
             candidates=self._slots(comp, comp_kind, owner.unsqueeze(1), entry_pos),
             close_rows=close_rows,
             close_slots=self._slots(comp, comp_kind, close_owner, window_ids * ratio),
-            close_positions=window_ids * ratio,
+            close_positions=window_ids.clamp(min=0) * ratio,
+        )
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+
+
+@dataclass(slots=True)
+class PaddedShape:
+    """The fixed shapes of a captured decode graph, and how a smaller batch is padded to them.
+
+    Padded tokens attend to nothing and write their rows to each pool's scratch row (``KVCache.scratch_rows``),
+    as do real tokens whose compression window does not close in this step.
+    """
+
+    num_tokens: int
+    candidates: dict[int, int]  # compression ratio -> candidate columns
+    scratch_rows: dict[str, int]  # cache kind -> its scratch row
+
+    def pad(self, batch: ForwardBatch) -> ForwardBatch:
+        if batch.logits_rows.shape[0] != batch.token_ids.shape[0]:
+            raise ValueError("a padded (CUDA-graph) batch must sample every token: decode steps only")
+        n = self.num_tokens
+        compressed = {}
+        for ratio, m in batch.compressed.items():
+            comp, state = self.scratch_rows[f"comp{ratio}"], self.scratch_rows.get(f"state{ratio}", 0)
+            compressed[ratio] = CompressedMeta(
+                ratio=m.ratio,
+                overlap=m.overlap,
+                state_slots=_pad_rows(m.state_slots, n, state) if m.overlap else m.state_slots,
+                candidates=_pad_rows(m.candidates, n, -1),
+                close_rows=_pad_rows(m.close_rows, n, -1),
+                close_slots=_pad_rows(torch.where(m.close_slots < 0, comp, m.close_slots), n, comp),
+                close_positions=_pad_rows(m.close_positions, n, 0),
+            )
+        history = None if batch.token_history is None else _pad_rows(batch.token_history, n, -1)
+        return ForwardBatch(
+            token_ids=_pad_rows(batch.token_ids, n, 0),
+            positions=_pad_rows(batch.positions, n, 0),
+            swa_slots=_pad_rows(batch.swa_slots, n, self.scratch_rows["swa"]),
+            window=_pad_rows(batch.window, n, -1),
+            logits_rows=torch.arange(n),
+            compressed=compressed,
+            token_history=history,
         )

@@ -55,17 +55,22 @@ def compressor_state_kind(name: str, ratio: int, overlap: int, pools: tuple[Pool
 
 
 class KVCache:
-    """The tensors: for each (kind, pool), ``[layers in pool, blocks * rows_per_block, width]``."""
+    """The tensors: for each (kind, pool), ``[layers in pool, blocks * rows_per_block + 1, width]``.
+
+    The last row of every pool belongs to no block: padded tokens of a CUDA-graph batch write there.
+    """
 
     def __init__(self, kinds: list[CacheKind], blocks_per_kind: dict[str, int], block_size: int, device):
         self.block_size = block_size
         self.kinds = {k.name: k for k in kinds}
         self._tensors: dict[tuple[str, str], torch.Tensor] = {}
         self._layer_index: dict[tuple[str, str], dict[int, int]] = {}
+        self.scratch_rows: dict[str, int] = {}
         for kind in kinds:
             if block_size % kind.tokens_per_row:
                 raise ValueError(f"block_size {block_size} must be a multiple of {kind.name}'s {kind.tokens_per_row} tokens per row")
-            rows = blocks_per_kind[kind.name] * self.rows_per_block(kind.name)
+            rows = blocks_per_kind[kind.name] * self.rows_per_block(kind.name) + 1
+            self.scratch_rows[kind.name] = rows - 1
             for pool in kind.pools:
                 key = (kind.name, pool.name)
                 self._tensors[key] = torch.zeros(len(pool.layers), rows, pool.width, dtype=pool.dtype, device=device)

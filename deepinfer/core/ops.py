@@ -18,3 +18,38 @@ def project(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, a
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU in fp32: ``silu(min(gate, L)) * clamp(up, -L, L)``."""
     return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(min=-limit, max=limit)
+
+
+def select_topk(scores: torch.Tensor, candidates: torch.Tensor, topk: int) -> torch.Tensor:
+    """Row indices of the ``min(topk, C)`` best-scoring candidates, -1 where fewer are visible.
+
+    ``scores`` [T, C] fp32, -inf where not visible. Every backend's ``indexer_topk`` selects with this function,
+    so they all break ties alike.
+    """
+    k = min(topk, candidates.shape[1])
+    if k == 0:
+        return torch.full((candidates.shape[0], 0), -1, dtype=torch.int64, device=candidates.device)
+    # a stable sort breaks exact ties by candidate order (older entries first), so the
+    # choice does not depend on how many padded candidates the batch gave this query
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    picked = candidates.gather(1, order[:, :k])
+    return torch.where(values[:, :k] == float("-inf"), -1, picked)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Projects ``[..., n, n]`` logits towards a doubly-stochastic matrix (row softmax, then alternating sums)."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def mhc_coefficients(logits: torch.Tensor, hc_mult: int, sinkhorn_iters: int, eps: float):
+    """``pre``, ``post`` and ``comb`` of one sublayer's hyper-connection (see ``MHCBackend.coefficients``)."""
+    n = hc_mult
+    pre = torch.sigmoid(logits[:, :n]) + eps
+    post = 2 * torch.sigmoid(logits[:, n : 2 * n])
+    comb = sinkhorn(logits[:, 2 * n :].unflatten(-1, (n, n)), sinkhorn_iters, eps)
+    return pre, post, comb

@@ -13,6 +13,8 @@ checkpoints in the released layout.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E4M3_MAX = 448.0
@@ -21,6 +23,12 @@ MX_BLOCK = 32
 # e2m1 code -> value; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@functools.cache
+def constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small lookup table, copied to ``device`` once (a copy inside a CUDA-graph capture would be an error)."""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +76,7 @@ def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     """e2m1 code (bit 3 = sign) of the nearest value to each of ``scaled`` (already in [-6, 6]); an exact midpoint
     goes to the even code, as IEEE rounding does."""
     magnitude = scaled.abs().contiguous()
-    midpoints = magnitude.new_tensor(_E2M1_MIDPOINTS)
+    midpoints = constant(_E2M1_MIDPOINTS, magnitude.dtype, magnitude.device)
     code = torch.bucketize(magnitude, midpoints)
     on_midpoint = magnitude == midpoints[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
     code = code + (on_midpoint & (code % 2 == 1)).to(code.dtype)

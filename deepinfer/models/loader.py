@@ -10,23 +10,26 @@ from torch import nn
 from deepinfer.core.linear import materialize, quantizable_weights
 from deepinfer.core.weights import dummy_layout, fill_dummy, plan_load, stream_into
 from deepinfer.models.registry import checkpoint_naming, model_class
-from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MoEBackend
+from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBackend, MoEBackend
 
 
 def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, moe: MoEBackend,
-               linear: LinearBackend, dtype: torch.dtype, device: torch.device, tokenizer=None,
+               linear: LinearBackend, mhc: MHCBackend, dtype: torch.dtype, device: torch.device, tokenizer=None,
                quantization: str = "auto", load_format: str = "auto", seed: int = 0) -> nn.Module:
     """The model with its weights on ``device``.
 
     ``quantization="auto"`` keeps FP8 / MXFP4 weights as the checkpoint stores them (device memory about the
     checkpoint's size); ``"none"`` dequantizes them to ``dtype`` as they are read, for debugging. ``load_format``
-    ``"dummy"`` skips the weight files: random weights are created on ``device`` in the released formats.
+    ``"dummy"`` skips the weight files: random weights are created on ``device`` in the formats ``config.json``
+    declares (FP8 / MXFP4 with a ``quantization_config``, ``dtype`` without one).
     """
     # meta: no memory is touched until the checkpoint says how each tensor is stored
     with torch.device("meta"):
-        model = model_class(model_config)(model_config, attention, moe, dtype, tokenizer=tokenizer)
+        model = model_class(model_config)(model_config, attention, moe, mhc, dtype, tokenizer=tokenizer)
     expected = model.expected_tensors()
     quantizable = quantizable_weights(model, model.checkpoint_name) if quantization == "auto" else set()
+    if load_format == "dummy" and model_config.quantization_config is None:
+        quantizable = set()  # without weight files the config is the only word on formats: it declares none
     block = model_config.weight_block_size
     if load_format == "dummy":
         mapped = {name for name in expected if model.memory_mapped(name)}

@@ -3,7 +3,7 @@
 Every hook receives the engine configuration (``device`` is a ``torch.device``).
 ``deepinfer_configure_engine`` is called on every plugin. The others are ``firstresult``: the
 first plugin that returns an object serves the hook and later plugins are not asked; a plugin
-declines by returning ``None``. Attention, MoE, linear and sampler must be served (the built-in
+declines by returning ``None``. Attention, MoE, linear, mHC and sampler must be served (the built-in
 reference plugins always answer); drafter, prefill truncation and logits processor may go
 unanswered, which means the feature is off. Plugins are asked in pluggy's order (latest
 registered first, so entry-point plugins before the built-ins; ``tryfirst``/``trylast``
@@ -43,6 +43,11 @@ def deepinfer_moe_backend(config, device):
 @hookspec(firstresult=True)
 def deepinfer_linear_backend(config, device):
     """Return a ``LinearBackend`` multiplying by FP8 block-scaled and MXFP4 weights, or ``None``."""
+
+
+@hookspec(firstresult=True)
+def deepinfer_mhc_backend(config, device):
+    """Return an ``MHCBackend`` (the hyper-connection weights, Sinkhorn included) or ``None``."""
 
 
 @hookspec(firstresult=True)

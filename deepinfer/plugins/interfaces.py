@@ -3,6 +3,10 @@
 Shapes use T = tokens in the step (all requests flattened), H = heads, D = head dim,
 N = rows of a paged pool, K = keys per query, B = rows being sampled, V = vocabulary.
 Index tensors are int64 and use -1 for "no key here".
+
+Every backend also says whether its calls may be captured in a CUDA graph (``graph_safe``): no host
+synchronisation (``.item()``, ``.tolist()``, ``nonzero``, boolean-mask indexing) and output shapes that depend
+only on input shapes. The engine replays decode steps from CUDA graphs only when every backend of the model is.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 class AttentionBackend(Protocol):
     name: str
+    graph_safe: bool
 
     def sparse_attention(
         self,
@@ -61,6 +66,7 @@ class AttentionBackend(Protocol):
 
 class LinearBackend(Protocol):
     name: str
+    graph_safe: bool
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int) -> torch.Tensor:
         """``x W^T`` for a quantized weight as the checkpoint stores it.
@@ -70,6 +76,20 @@ class LinearBackend(Protocol):
         in the low nibble) with an e8m0 scale per 1 x 32 ([R, C/32]). Activations are first rounded to FP8
         with one power-of-two scale per ``1 x activation_block`` segment, as the release's kernels do.
         Returns [..., R] in ``x``'s dtype.
+        """
+
+
+class MHCBackend(Protocol):
+    name: str
+    graph_safe: bool
+
+    def coefficients(self, logits: torch.Tensor, hc_mult: int, sinkhorn_iters: int, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A sublayer's hyper-connection weights from its scaled and biased logits [T, (2 + n) n] fp32 (n = hc_mult).
+
+        Returns ``pre = sigmoid(logits[:, :n]) + eps`` [T, n], ``post = 2 sigmoid(logits[:, n:2n])`` [T, n] and
+        ``comb`` [T, n, n]: a row softmax of the last n*n logits plus eps, then ``sinkhorn_iters`` alternating
+        column / row normalisations (the first column one included; ``deepinfer.core.ops.sinkhorn``), all fp32.
         """
 
 
@@ -94,6 +114,7 @@ class ExpertWeights:
 
 class MoEBackend(Protocol):
     name: str
+    graph_safe: bool
 
     def routed_experts(
         self,

@@ -30,6 +30,7 @@ DEFAULT_PLUGINS = (
     "deepinfer.plugins.builtin.torch_attention",
     "deepinfer.plugins.builtin.torch_moe",
     "deepinfer.plugins.builtin.torch_linear",
+    "deepinfer.plugins.builtin.torch_mhc",
     "deepinfer.plugins.builtin.torch_sampler",
 )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.convert import V41
+from deepinfer.convert import QUANTIZATION_CONFIG, V41
 from deepinfer.testing.tiny_tokenizer import build_tiny_tokenizer
 
 TINY_V41 = dict(
@@ -76,6 +76,7 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     from deepinfer.models.deepseek_v41.engram import normalised_vocabulary
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from deepinfer.plugins.builtin.torch_attention import TorchAttention
+    from deepinfer.plugins.builtin.torch_mhc import TorchMHC
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
     from transformers import PreTrainedTokenizerFast
 
@@ -88,7 +89,7 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     d = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": text,
          "vision_config": {"num_hidden_layers": 0}, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
     config = DeepseekV41ModelConfig.from_dict(d)
-    model = DeepseekV41ForCausalLM(config, TorchAttention(), TorchMoE(), torch.float32, tokenizer)
+    model = DeepseekV41ForCausalLM(config, TorchAttention(), TorchMoE(), TorchMHC(), torch.float32, tokenizer)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, spec in model.expected_tensors().items():
@@ -103,7 +104,8 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
         else:
             tensors[name] = value
     save_file(released_format(tensors), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(d, indent=2))
+    released = {**d, "quantization_config": {**QUANTIZATION_CONFIG, "weight_block_size": list(V41.block)}}
+    (out / "config.json").write_text(json.dumps(released, indent=2))
     return out
 
 

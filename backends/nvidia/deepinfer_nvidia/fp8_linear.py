@@ -164,6 +164,7 @@ def _native_fp8(device: torch.device) -> bool:
 
 class TritonLinear:
     name = "triton-fp8"
+    graph_safe = True
 
     def linear(self, x, weight, scale, activation_block):
         if weight.dtype == torch.float8_e4m3fn:

@@ -19,6 +19,24 @@ def deepinfer_moe_backend(config, device):
     if device.type != "cuda":
         return None
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
-    from deepinfer_nvidia.fp4_moe import TritonMoE
+    from deepinfer_nvidia.moe import TritonMoE
 
     return TritonMoE(reference=TorchMoE())
+
+
+@hookimpl
+def deepinfer_attention_backend(config, device):
+    if device.type != "cuda":
+        return None
+    from deepinfer_nvidia.sparse_attention import TritonAttention
+
+    return TritonAttention()
+
+
+@hookimpl
+def deepinfer_mhc_backend(config, device):
+    if device.type != "cuda":
+        return None
+    from deepinfer_nvidia.mhc import TritonMHC
+
+    return TritonMHC()

@@ -6,16 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.models.deepseek_v4.layers import unweighted_rms_norm
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Projects ``[..., n, n]`` logits towards a doubly-stochastic matrix (row softmax, then alternating sums)."""
-    comb = torch.softmax(logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+from deepinfer.plugins.interfaces import MHCBackend
 
 
 class HyperConnection(nn.Module):
@@ -25,10 +16,12 @@ class HyperConnection(nn.Module):
     matrix) mixes the old streams into the new ones as ``comb^T @ streams``.
     """
 
-    def __init__(self, hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    def __init__(self, hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                 backend: MHCBackend):
         super().__init__()
         n = hc_mult
         self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.backend = backend
         self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden, dtype=torch.float32), requires_grad=False)
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
@@ -37,11 +30,9 @@ class HyperConnection(nn.Module):
         """``streams`` [T, n, D] -> (sublayer input [T, D], post [T, n], comb [T, n, n])."""
         n = self.hc_mult
         mix = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps) @ self.fn.T
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = sinkhorn(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), self.sinkhorn_iters, self.hc_eps)
+        scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
+        logits = torch.addcmul(self.base, mix, scales)
+        pre, post, comb = self.backend.coefficients(logits, n, self.sinkhorn_iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return collapsed, post, comb
 

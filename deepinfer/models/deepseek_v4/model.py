@@ -15,7 +15,7 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, inv_freq
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
 from deepinfer.models.deepseek_v4.mhc import HyperConnection, HyperHead
 from deepinfer.models.deepseek_v4.moe import MoE
-from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend
+from deepinfer.plugins.interfaces import AttentionBackend, MHCBackend, MoEBackend
 
 # Tensors that stay fp32 whatever the model dtype (as the checkpoints ship them).
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", "ape", "gate.bias")
@@ -24,13 +24,14 @@ _HC_NAMES = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 
 
 class Block(nn.Module):
-    def __init__(self, config: DeepseekV4ModelConfig, layer_id: int, rotary: Rotary, attention: AttentionBackend, moe: MoEBackend):
+    def __init__(self, config: DeepseekV4ModelConfig, layer_id: int, rotary: Rotary, attention: AttentionBackend,
+                 moe: MoEBackend, mhc: MHCBackend):
         super().__init__()
         c = config
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_attn = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        self.hc_ffn = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.hc_attn = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, mhc)
+        self.hc_ffn = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, mhc)
         self.attn = Attention(c, layer_id, rotary, attention)
         self.ffn = MoE(c, c.hash_layers[layer_id], moe)
 
@@ -43,9 +44,10 @@ class Block(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     token_history = 0  # no layer looks at earlier token ids
+    graph_blocker = None  # nothing in the forward pass waits on the host
 
-    def __init__(self, config: DeepseekV4ModelConfig, attention: AttentionBackend, moe: MoEBackend, dtype: torch.dtype,
-                 tokenizer=None):
+    def __init__(self, config: DeepseekV4ModelConfig, attention: AttentionBackend, moe: MoEBackend, mhc: MHCBackend,
+                 dtype: torch.dtype, tokenizer=None):
         super().__init__()
         c = self.config = config
         self.dtype = dtype
@@ -53,7 +55,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.rotary_compress = Rotary(inv_freq(c, compressed=True))
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
-            Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe)
+            Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe, mhc)
             for i in range(c.num_layers)
         )
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)

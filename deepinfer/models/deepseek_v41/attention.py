@@ -31,6 +31,7 @@ from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.core.quantization import round_fp8
 from deepinfer.models.deepseek_v41.cache_formats import round_mxfp4, round_nvfp4
 from deepinfer.models.deepseek_v41.layers import ComplexRotary
+from deepinfer.core.ops import select_topk
 from deepinfer.plugins.interfaces import AttentionBackend
 
 
@@ -97,11 +98,7 @@ class Indexer(nn.Module):
             selection.candidates = self._best_blocks(scores, (positions + 1) // meta.ratio) & (meta.candidates >= 0)
         elif self.uses_candidates:
             scores = scores.masked_fill(~selection.candidates, float("-inf"))
-        k = min(self.topk, scores.shape[1])
-        # a stable sort breaks exact ties towards older entries, independent of batch padding
-        values, order = scores.sort(dim=-1, descending=True, stable=True)
-        picked = meta.candidates.gather(1, order[:, :k])
-        return torch.where(values[:, :k] == float("-inf"), -1, picked)
+        return select_topk(scores, meta.candidates, self.topk)
 
     def _best_blocks(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """[T, C] bool: entries in each query's best blocks (by their best entry); its latest block always."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer.core.quantization import E2M1_MAX, E2M1_VALUES, _pow2_ceil, e2m1_codes
+from deepinfer.core.quantization import E2M1_MAX, E2M1_VALUES, _pow2_ceil, constant, e2m1_codes
 
 
 def _groups(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -23,7 +23,7 @@ def _ungroup(groups: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _round_e2m1(scaled: torch.Tensor) -> torch.Tensor:
-    return scaled.new_tensor(E2M1_VALUES)[e2m1_codes(scaled)]
+    return constant(E2M1_VALUES, scaled.dtype, scaled.device)[e2m1_codes(scaled)]
 
 
 def round_mxfp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:

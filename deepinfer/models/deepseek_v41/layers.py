@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.models.deepseek_v4.mhc import sinkhorn
+from deepinfer.plugins.interfaces import MHCBackend
 
 
 class ComplexRotary:
@@ -37,7 +37,9 @@ class ComplexRotary:
 
     def phases(self, positions: torch.Tensor) -> torch.Tensor:
         """Unit complex numbers ``[T, rope_dim/2]``."""
-        angles = positions.float().unsqueeze(-1) * self.freqs.to(positions.device)
+        if self.freqs.device != positions.device:  # moved once, outside any CUDA-graph capture
+            self.freqs = self.freqs.to(positions.device)
+        angles = positions.float().unsqueeze(-1) * self.freqs
         return torch.polar(torch.ones_like(angles), angles)
 
     def apply(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -54,10 +56,12 @@ class ComplexRotary:
 class MixPredictor(nn.Module):
     """One sublayer's mHC coefficients: ``pre`` [T, n], ``post`` [T, n], ``comb`` [T, n, n], all fp32."""
 
-    def __init__(self, hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    def __init__(self, hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                 backend: MHCBackend):
         super().__init__()
         n = self.hc_mult = hc_mult
         self.sinkhorn_iters, self.hc_eps, self.norm_eps = sinkhorn_iters, hc_eps, norm_eps
+        self.backend = backend
         self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden, dtype=torch.float32), requires_grad=False)
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
@@ -69,10 +73,7 @@ class MixPredictor(nn.Module):
         mixes = F.linear(flat, self.fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
         logits = torch.addcmul(self.base, mixes, scales)
-        pre = torch.sigmoid(logits[:, :n]) + self.hc_eps
-        post = 2 * torch.sigmoid(logits[:, n : 2 * n])
-        comb = sinkhorn(logits[:, 2 * n :].unflatten(-1, (n, n)), self.sinkhorn_iters, self.hc_eps)
-        return pre, post, comb
+        return self.backend.coefficients(logits, n, self.sinkhorn_iters, self.hc_eps)
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from deepinfer.models.deepseek_v41.attention import Attention, Selection
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.engram import Engram, NgramHasher
 from deepinfer.models.deepseek_v41.layers import ComplexRotary, MixPredictor, collapse, expand
-from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend
+from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend, MHCBackend
 
 # Tensors kept in fp32 whatever the model dtype (as the release ships or computes them).
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", "gate.bias", "gate.bias_vl", "compressor.wkv.weight",
@@ -43,13 +43,13 @@ _ENGRAM_TABLE = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)$")
 
 class Block(nn.Module):
     def __init__(self, config: DeepseekV41ModelConfig, layer_id: int, rotary: ComplexRotary,
-                 attention: AttentionBackend, moe: MoEBackend):
+                 attention: AttentionBackend, moe: MoEBackend, mhc: MHCBackend):
         super().__init__()
         c = config
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_attn = MixPredictor(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        self.hc_ffn = MixPredictor(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.hc_attn = MixPredictor(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, mhc)
+        self.hc_ffn = MixPredictor(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, mhc)
         self.attn = Attention(c, layer_id, rotary, attention)
         self.ffn = MoE(c, False, moe)
         self.ffn.gate.register_buffer("bias_vl", torch.zeros(c.n_routed_experts, dtype=torch.float32))
@@ -68,7 +68,7 @@ class Block(nn.Module):
 
 class DeepseekV41ForCausalLM(nn.Module):
     def __init__(self, config: DeepseekV41ModelConfig, attention: AttentionBackend, moe: MoEBackend,
-                 dtype: torch.dtype, tokenizer=None):
+                 mhc: MHCBackend, dtype: torch.dtype, tokenizer=None):
         super().__init__()
         c = self.config = config
         self.dtype = dtype
@@ -76,7 +76,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.rotary_compress = ComplexRotary(c, compressed=True)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
-            Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe)
+            Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe, mhc)
             for i in range(c.num_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -131,6 +131,12 @@ class DeepseekV41ForCausalLM(nn.Module):
     def compressed_ratios(self) -> dict[int, int]:
         """Compression ratio -> pooling overlap (0: no compressor state is kept for it)."""
         return {r: (1 if r > 1 else 0) for r in set(self.config.compress_ratios) if r}
+
+    @property
+    def graph_blocker(self) -> str | None:
+        if self.config.engram_layer_ids:
+            return "the Engram tables are read in host memory during the forward pass"
+        return None
 
     @property
     def token_history(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.core.ops import select_topk
 from deepinfer.plugins.hookspecs import hookimpl
 
 # Queries per chunk are chosen so one chunk's gathered keys stay near this many elements.
@@ -18,6 +19,7 @@ def _query_chunks(num_tokens: int, keys_per_query: int, dim: int):
 
 class TorchAttention:
     name = "torch-reference"
+    graph_safe = True
 
     def sparse_attention(self, q, sources, sinks, scale):
         num_tokens, num_heads, dim = q.shape
@@ -42,14 +44,7 @@ class TorchAttention:
         return scores
 
     def indexer_topk(self, q, weights, keys, candidates, topk):
-        k = min(topk, candidates.shape[1])
-        if k == 0:
-            return torch.full((q.shape[0], 0), -1, dtype=torch.int64, device=q.device)
-        # a stable sort breaks exact ties by candidate order (older entries first), so the
-        # choice does not depend on how many padded candidates the batch gave this query
-        values, order = self.indexer_scores(q, weights, keys, candidates).sort(dim=-1, descending=True, stable=True)
-        picked = candidates.gather(1, order[:, :k])
-        return torch.where(values[:, :k] == float("-inf"), -1, picked)
+        return select_topk(self.indexer_scores(q, weights, keys, candidates), candidates, topk)
 
 
 @hookimpl(trylast=True)

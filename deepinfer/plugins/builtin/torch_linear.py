@@ -8,6 +8,7 @@ from deepinfer.plugins.hookspecs import hookimpl
 
 class TorchLinear:
     name = "torch-reference"
+    graph_safe = True
 
     def linear(self, x, weight, scale, activation_block):
         return blockwise_linear(x, weight, scale, activation_block)

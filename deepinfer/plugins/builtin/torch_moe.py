@@ -14,6 +14,7 @@ def _scale(scales: torch.Tensor | None, expert: int) -> torch.Tensor | None:
 
 class TorchMoE:
     name = "torch-reference"
+    graph_safe = False  # loops over the experts that received tokens, which the host must know
 
     def routed_experts(self, x, topk_ids, topk_weights, weights):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -1,0 +1,234 @@
+"""Routed experts in Triton, one grouped GEMM launch per projection for all experts: packed MXFP4 weights (what the
+releases ship) or float ones (bf16, fp16, fp32: tiny and converted models).
+
+Assignments (token, expert) are sorted by expert and cut into blocks of ``BM`` rows that each belong to one expert.
+How many blocks there are depends on the routing, which only the GPU knows; waiting for it would stall the host and
+forbid CUDA graphs. So the grid has a bound computed from shapes alone (each expert's last block may be partial:
+``ceil(T*k / BM) + min(E, T*k)``) and the surplus blocks get 0 rows and return before reading any weight. Nothing in
+``routed_experts`` synchronises with the host or has a data-dependent shape: it can be captured in a CUDA graph and
+replayed with other routing.
+
+w1 and w3 share one launch: each block reads its activation tile once for both weights and writes
+``swiglu(gate, up)`` (``deepinfer.core.ops``). w2 reads those rows in expert order and writes each result to its
+(token, slot) row, so the top-k sum is a plain reduction rather than a scatter.
+
+MXFP4: Hopper has no FP4 tensor cores, so each 32-column chunk of e2m1 codes is decoded to bf16 (exact), multiplied
+by the FP8-rounded activations (exact in bf16 too) on the bf16 tensor cores with fp32 accumulation, and added with
+its two power-of-two scales: the activation's (one per ``activation_block``) and the weight's (one per 32). So the
+result is the reference's up to fp32 summation order.
+
+Float weights: the reference (``project``) multiplies in fp32. Here activations are rounded to the weight's dtype
+for its tensor cores, with fp32 accumulation; for bf16/fp16 weights that rounds SwiGLU's fp32 output (and ``x`` if
+its dtype differs), fp32 weights get a full-precision dot rather than TF32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.logger import init_logger, log_once
+from deepinfer_nvidia.fp8_linear import act_quant
+
+logger = init_logger(__name__)
+
+BM = 16  # rows per block: the few tokens each expert gets at decode fill one MMA tile
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 value of a 4-bit code (bit 3 is the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _fp4_chunk(a, w_ptrs, s_ptrs, n_ok, NATIVE: tl.constexpr):
+    """``a`` [BM, 32] (FP8 values in fp32) times one 32-column chunk of packed weight rows, times the weight's scale."""
+    packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0).to(tl.int32) & 0xFF
+    w = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (packed.shape[0], 32))  # low nibble: even column
+    if NATIVE:  # both operands are exact in bf16: its tensor cores, fp32 accumulation
+        part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    else:  # Triton's interpreter has no bf16 arithmetic
+        part = tl.dot(a, tl.trans(w))
+    exponent = tl.load(s_ptrs, mask=n_ok, other=127)
+    return part * tl.exp2((exponent.to(tl.int32) - 127).to(tl.float32))[None, :]  # e8m0: the byte is the exponent
+
+
+@triton.jit
+def _float_chunk(acc, a, w_ptrs, mask, NATIVE: tl.constexpr):
+    """``acc`` plus ``a`` [BM, BK] times one BK-deep tile of weight rows."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    if not NATIVE:  # the interpreter has no bf16 arithmetic (and rounds to it wrongly): unrounded fp32 products
+        acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+    elif w.dtype == tl.float32:  # what fp32 weights are for: the reference's precision, not TF32's
+        acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit,
+           SWIGLU: tl.constexpr):
+    """Writes the tile (or swiglu of it and ``up``) to the output rows that ``out_rows`` names for its rows."""
+    if SWIGLU:  # deepinfer.core.ops.swiglu, in fp32
+        gate = tl.minimum(acc, limit)
+        acc = gate * tl.sigmoid(gate) * tl.clamp(up, -limit, limit)
+    rows = tl.load(out_rows_ptr + start + offs_m, mask=m_ok, other=0)
+    tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, out_rows_ptr,
+                        block_expert_ptr, block_start_ptr, block_rows_ptr, N, limit, stride_a, stride_sa, stride_we,
+                        stride_wn, stride_swe, stride_swn, stride_out, K: tl.constexpr, ACT_BLOCK: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr, NATIVE: tl.constexpr):
+    """out = a W^T for one block of rows and BN columns; with SWIGLU, swiglu(a W^T, a V^T)."""
+    block = tl.program_id(0)
+    count = tl.load(block_rows_ptr + block)
+    if count == 0:  # a surplus block of the shape-sized grid
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)  # times its stride: past 2^31 in a large layer
+    start = tl.load(block_start_ptr + block)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < count
+    rows = tl.load(a_rows_ptr + start + offs_m, mask=m_ok, other=0)  # which row of ``a`` each assignment reads
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    w_tile = expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    s_tile = expert * stride_swe + offs_n * stride_swn
+    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    for chunk in range(K // 32):
+        k = chunk * 32 + tl.arange(0, 32)
+        a = tl.load(a_ptr + rows[:, None] * stride_a + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        sa = tl.load(sa_ptr + rows * stride_sa + (chunk * 32) // ACT_BLOCK, mask=m_ok, other=0.0)[:, None]
+        acc += _fp4_chunk(a, w_ptr + w_tile + chunk * 16, sw_ptr + s_tile + chunk, n_ok, NATIVE) * sa
+        if SWIGLU:
+            up += _fp4_chunk(a, v_ptr + w_tile + chunk * 16, sv_ptr + s_tile + chunk, n_ok, NATIVE) * sa
+    _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
+
+
+@triton.jit
+def _float_experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, out_ptr, out_rows_ptr, block_expert_ptr, block_start_ptr,
+                          block_rows_ptr, N, limit, stride_a, stride_we, stride_wn, stride_out, K: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
+                          NATIVE: tl.constexpr):
+    """The same as ``_fp4_experts_kernel`` for float weights: plain BK-deep tiles, no scales."""
+    block = tl.program_id(0)
+    count = tl.load(block_rows_ptr + block)
+    if count == 0:  # a surplus block of the shape-sized grid
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)  # times its stride: past 2^31 in a large layer
+    start = tl.load(block_start_ptr + block)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < count
+    rows = tl.load(a_rows_ptr + start + offs_m, mask=m_ok, other=0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    w_tile = expert * stride_we + offs_n[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        a = tl.load(a_ptr + rows[:, None] * stride_a + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        acc = _float_chunk(acc, a, w_ptr + w_tile + k[None, :], w_ok, NATIVE)
+        if SWIGLU:
+            up = _float_chunk(up, a, v_ptr + w_tile + k[None, :], w_ok, NATIVE)
+    _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
+
+
+def _blocks(topk_ids: torch.Tensor, experts: int):
+    """Expert-sorted assignment order and, per block of a grid sized from shapes alone, its expert, first sorted row
+    and row count (0 for surplus blocks). Only device-side ops: no bincount or repeat_interleave, which sync."""
+    device = topk_ids.device
+    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
+    first_row = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=device))  # of each expert's rows
+    counts = first_row.diff()
+    per_expert = (counts + BM - 1) // BM
+    block_end = torch.cumsum(per_expert, 0)
+    assignments = sorted_ids.numel()
+    block = torch.arange(triton.cdiv(assignments, BM) + min(experts, assignments), device=device)
+    # the expert whose blocks cover ``block``; past the last block, the last expert with an index beyond its rows
+    expert = torch.searchsorted(block_end, block, right=True).clamp_(max=experts - 1)
+    index_in_expert = block - (block_end - per_expert)[expert]
+    start = first_row[expert] + index_in_expert * BM
+    rows = (counts[expert] - index_in_expert * BM).clamp(0, BM)
+    return order, (expert.int(), start.int(), rows.int())
+
+
+def _grid(blocks, n):
+    bn = 64 if n >= 64 else 32
+    return (len(blocks[0]), triton.cdiv(n, bn)), bn
+
+
+def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, activation_block, v=None, v_scale=None, limit=0.0):
+    """fp32 [len(out_rows), N]: rows of ``a`` (FP8-rounded here) times w, or swiglu of w and v when v is given."""
+    aq, sa = act_quant(a.contiguous(), activation_block)
+    n = w.shape[1]
+    out = torch.empty(len(out_rows), n, dtype=torch.float32, device=a.device)
+    swiglu = v is not None
+    scales = w_scale.view(torch.uint8)  # read as exponents in the kernel: no fp32 copy of every expert's scales
+    v, v_scale = (v, v_scale.view(torch.uint8)) if swiglu else (w, scales)
+    grid, bn = _grid(blocks, n)
+    _fp4_experts_kernel[grid](aq, sa, a_rows, w, v, scales, v_scale, out, out_rows, *blocks, n, limit, aq.stride(0),
+                              sa.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1),
+                              out.stride(0), K=2 * w.shape[2], ACT_BLOCK=activation_block, BLOCK_M=BM, BN=bn,
+                              SWIGLU=swiglu, NATIVE=a.device.type == "cuda")
+    return out
+
+
+def _float_experts(a, a_rows, out_rows, w, blocks, v=None, limit=0.0):
+    """As ``_fp4_experts`` for float weights, with the activations as they are."""
+    a = a.contiguous()
+    n, k = w.shape[1], w.shape[2]
+    out = torch.empty(len(out_rows), n, dtype=torch.float32, device=a.device)
+    grid, bn = _grid(blocks, n)
+    _float_experts_kernel[grid](a, a_rows, w, w if v is None else v, out, out_rows, *blocks, n, limit, a.stride(0),
+                                w.stride(0), w.stride(1), out.stride(0), K=k, BLOCK_M=BM, BN=bn, BK=64,
+                                SWIGLU=v is not None, NATIVE=a.device.type == "cuda")
+    return out
+
+
+class TritonMoE:
+    name = "triton"
+    graph_safe = True
+
+    def __init__(self, reference):
+        self.reference = reference  # serves FP8 experts, which no release ships
+
+    def routed_experts(self, x, topk_ids, topk_weights, weights):
+        w1, w3, w2 = weights.w1, weights.w3, weights.w2
+        fp4 = w1.dtype == torch.int8
+        if not fp4 and (weights.w1_scale is not None or w1.dtype not in FLOAT_DTYPES):
+            log_once(logger, logging.WARNING, f"{w1.dtype} routed experts: no Triton kernel, the torch reference runs "
+                                              "them (slower, and it syncs with the host: no CUDA graphs)")
+            return self.reference.routed_experts(x, topk_ids, topk_weights, weights)
+        # the kernels address w1's and w3's tiles with one set of strides, unit along a row
+        pairs = [(w1, w3)] + ([(weights.w1_scale, weights.w3_scale)] if fp4 else [])
+        if any(a.stride() != b.stride() for a, b in pairs) or w1.stride(-1) != 1 or w2.stride(-1) != 1:
+            raise ValueError("routed experts: w1 and w3 (and their scales) need equal strides, and rows unit ones")
+        tokens, top_k = topk_ids.shape
+        if tokens == 0:
+            return torch.zeros_like(x)
+        order, blocks = _blocks(topk_ids, w1.shape[0])
+        token_of, order = (order // top_k).int(), order.int()
+        sorted_rows = torch.arange(len(order), dtype=torch.int32, device=x.device)
+        limit = weights.swiglu_limit
+        if fp4:
+            block = weights.activation_block
+            h = _fp4_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, block, w3, weights.w3_scale, limit)
+            down = _fp4_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, block)
+        else:
+            h = _float_experts(x, token_of, sorted_rows, w1, blocks, w3, limit)
+            down = _float_experts(h, sorted_rows, order, w2, blocks)
+        return (down.view(tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(1).to(x.dtype)

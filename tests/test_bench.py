@@ -1,0 +1,40 @@
+"""``deepinfer bench`` commands on tiny models (they are scripts: these check what they report, not speed)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from deepinfer import LLM
+from deepinfer.cli import main
+from deepinfer.testing.flash_fixtures import write_fixture
+
+# flash4L's layer pattern and vocabulary at a size a CPU test can hold
+SHRUNK = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_attention_heads=4, head_dim=64,
+              qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32, o_groups=2, index_n_heads=4, index_head_dim=32,
+              index_topk=8)
+
+
+def test_bench_latency_reports_vllm_keys_and_rates(tiny_v4_checkpoint, tmp_path):
+    out = tmp_path / "latency.json"
+    main(["bench", "latency", "--model", str(tiny_v4_checkpoint), "--input-len", "20", "--output-len", "5",
+          "--batch-size", "3", "--num-iters-warmup", "1", "--num-iters", "2", "--output-json", str(out)])
+    result = json.loads(out.read_text())["deepinfer"]
+    assert len(result["latencies"]) == 2 and result["avg_latency"] == sum(result["latencies"]) / 2
+    assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert 0 < result["prefill_latency"] < result["avg_latency"]
+    assert result["prefill_tokens_per_second"] == 3 * 20 / result["prefill_latency"]
+    assert result["decode_tokens_per_second"] > 0
+
+
+def test_flash4l_fixture_loads_dummy_bf16_weights(tmp_path):
+    model_dir = write_fixture("flash4L", tmp_path / "flash4L", **SHRUNK)
+    llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
+    config = llm.engine.model_config
+    assert config.compress_ratios == [0, 0, 4, 128] and config.vocab_size == 129280
+    # no quantization_config: every weight is bf16 (or fp32 where the release keeps fp32), none FP8/MXFP4
+    dtypes = {t.dtype for t in llm.engine.model.state_dict().values()}
+    assert dtypes <= {torch.bfloat16, torch.float32, torch.int64}, dtypes
+    outputs = llm.generate([list(range(3, 300))], use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) > 0

@@ -1,0 +1,90 @@
+"""Decode steps padded to a CUDA graph's fixed shapes give the same results as unpadded ones.
+
+On a CPU the padded batches run eagerly (``DecodeGraphs(capture=False)``), which checks the padding itself:
+scratch rows for padded tokens and unclosed windows, fixed candidate widths. On a GPU the graphs are captured
+and replayed and compared with ``enforce_eager=True``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.core.cuda_graphs import DecodeGraphs
+from deepinfer.plugins.manager import registered
+from deepinfer.testing.tiny_v41 import build_tiny_v41
+
+V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
+PROMPTS = [[5, 9, 13], list(range(3, 40)), [7] * 18]  # 3 requests: padded to a batch of 4
+PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+
+
+def _run(llm):
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = torch.tensor([[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                             for o in outputs])
+    return tokens, logprobs
+
+
+def _padded_eagerly(llm) -> int:
+    engine = llm.engine
+    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
+                                 capture=False)
+    calls = 0
+    logits = engine.graphs.logits
+
+    def counted(scheduled):
+        nonlocal calls
+        calls += 1
+        return logits(scheduled)
+
+    engine.graphs.logits = counted
+    return lambda: calls
+
+
+def _models(tiny_v4_checkpoint):
+    return [(str(tiny_v4_checkpoint), {}), (str(V41_FIXTURE), {"quantization": "none"})]
+
+
+@pytest.mark.parametrize("which", ["v4", "v4.1"])
+def test_padded_decode_matches_unpadded(which, tiny_v4_checkpoint):
+    model, args = dict(zip(["v4", "v4.1"], _models(tiny_v4_checkpoint)))[which]
+    plain_tokens, plain_logprobs = _run(LLM(model, dtype="float32", device="cpu", **args))
+    padded = LLM(model, dtype="float32", device="cpu", **args)
+    calls = _padded_eagerly(padded)
+    tokens, logprobs = _run(padded)
+    assert calls() >= PARAMS.max_tokens - 1  # every decode step took the padded path
+    assert tokens == plain_tokens
+    torch.testing.assert_close(logprobs, plain_logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("which", ["v4", "v4.1"])
+def test_graph_replay_matches_eager(which, tiny_v4_checkpoint, tmp_path):
+    """With the NVIDIA plugin's kernels (the reference MoE is not graph-safe): replayed graphs vs eager steps.
+    V4.1 without Engram, whose host-memory tables keep its steps eager."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
+    nvidia = pytest.importorskip("deepinfer_nvidia.plugin")
+    if which == "v4":
+        model, args = str(tiny_v4_checkpoint), {}
+    else:
+        model, args = str(build_tiny_v41(tmp_path / "v41", engram_layer_ids=[])), {}
+    with registered(nvidia, "nvidia"):
+        eager_tokens, eager_logprobs = _run(LLM(model, dtype="float32", enforce_eager=True, **args))
+        llm = LLM(model, dtype="float32", **args)
+        tokens, logprobs = _run(llm)
+    assert llm.engine.graphs is not None and llm.engine.graphs.graphs  # captured and replayed
+    assert tokens == eager_tokens
+    torch.testing.assert_close(logprobs, eager_logprobs, rtol=0, atol=1e-4)
+
+
+def test_what_keeps_steps_eager_is_named(tiny_v4_checkpoint):
+    llm = LLM(str(tiny_v4_checkpoint), dtype="float32", device="cpu")
+    assert llm.engine.graph_blockers == ["moe backend torch-reference may synchronise with the host"]
+    v41 = LLM(str(V41_FIXTURE), dtype="float32", device="cpu")
+    assert v41.engine.graph_blockers[-1] == "the Engram tables are read in host memory during the forward pass"

@@ -1,0 +1,167 @@
+"""The NVIDIA backend's Triton sparse attention and indexer against the torch reference.
+
+Natively on a GPU (with real DeepSeek-V4 shapes and a CUDA-graph capture), in Triton's interpreter elsewhere at tiny
+shapes (conftest turns it on); skipped without triton.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Triton's interpreter on without a GPU"
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
+
+from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
+from deepinfer_nvidia import plugin  # noqa: E402
+from deepinfer_nvidia.sparse_attention import TritonAttention, sparse_attention  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+REFERENCE = TorchAttention()
+# (tokens, heads, dim, keys per source, pool rows, block_h, splits); None = the backend's own choice.
+# Few pool rows make duplicate indices certain; block_h / splits force several head blocks and merged splits.
+SHAPES = [(1, 16, 32, (20,), 12, None, None), (3, 32, 64, (9, 24), 30, None, None),
+          (17, 16, 64, (16, 40), 50, None, None), (3, 32, 32, (70, 5), 40, 16, 3),
+          (1, 20, 32, (33, 7, 12), 25, None, None), (2, 16, 32, (12, 0), 10, None, 2)]
+if CUDA:  # V4-Flash: 64 heads of 512, a 128-key window plus 512 selected entries
+    SHAPES += [(t, 64, 512, (128, 512), 4096, None, None) for t in (1, 16, 128)]
+    SHAPES += [(64, 64, 512, (128,), 2048, None, None), (1, 64, 512, (128, 2048), 2048, None, None)]
+
+
+def _poison() -> None:
+    """Leave NaNs where the caching allocator will hand out the kernels' next buffers."""
+    if CUDA:
+        torch.full((1 << 26,), float("nan"), device=DEVICE)
+
+
+def _indices(tokens: int, keys: int, rows: int, g: torch.Generator) -> torch.Tensor:
+    idx = torch.randint(0, rows, (tokens, keys), generator=g)
+    return idx.masked_fill(torch.rand(tokens, keys, generator=g) < 0.3, -1)  # padding anywhere, not only at the end
+
+
+def _attention_inputs(tokens, heads, dim, widths, rows, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dim, generator=g)
+    sources = [(torch.randn(rows, dim, generator=g).to(dtype).to(DEVICE), _indices(tokens, k, rows, g).to(DEVICE))
+               for k in widths]
+    for _, idx in sources:
+        idx[tokens // 2] = -1  # one query sees no key at all: only its sink is left
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    return q.to(dtype).to(DEVICE), sources, sinks
+
+
+def _tolerance(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # fp32: another summation order; bf16: one rounding of the output (and, on the GPU, of the probabilities)
+    size = reference.float().abs().amax()
+    return 1e-5 * size if dtype == torch.float32 else 1e-2 * size + reference.float().abs() * 2**-7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, heads, dim, widths, rows, block_h, splits", SHAPES)
+def test_sparse_attention_matches_the_reference(tokens, heads, dim, widths, rows, block_h, splits, dtype):
+    q, sources, sinks = _attention_inputs(tokens, heads, dim, widths, rows, dtype, seed=tokens * 7 + dim + len(widths))
+    scale = dim**-0.5
+    _poison()
+    ours = sparse_attention(q, sources, sinks, scale, block_h=block_h, splits=splits)
+    reference = REFERENCE.sparse_attention(q, sources, sinks, scale)
+    assert ours.dtype == dtype and ours.shape == q.shape and torch.isfinite(ours).all()
+    assert torch.all(ours[tokens // 2] == 0)
+    assert torch.all((ours.float() - reference.float()).abs() <= _tolerance(reference, dtype))
+
+
+def test_the_backend_object_splits_short_decode_rows_itself():
+    q, sources, sinks = _attention_inputs(1, 16, 32, (600,), 64, torch.float32, seed=5)
+    q = torch.cat([q, q], dim=-1)[..., 16:48]  # strided heads
+    ours = TritonAttention().sparse_attention(q, sources, sinks, 0.2)
+    reference = REFERENCE.sparse_attention(q, sources, sinks, 0.2)
+    assert torch.all((ours - reference).abs() <= _tolerance(reference, torch.float32))
+
+
+def test_head_dims_must_suit_the_dot_tiles():
+    q, sources, sinks = _attention_inputs(1, 16, 24, (4,), 8, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        sparse_attention(q, sources, sinks, 0.1)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        TritonAttention().indexer_scores(torch.randn(1, 16, 8), torch.randn(1, 16), torch.randn(4, 8),
+                                         torch.zeros(1, 3, dtype=torch.int64))
+
+
+def _indexer_inputs(tokens, heads, dim, width, rows, dtype, seed, integers=False):
+    g = torch.Generator().manual_seed(seed)
+    if integers:  # every product and sum exact in fp32: scores are bit-identical, ties included
+        q = torch.randint(-2, 3, (tokens, heads, dim), generator=g).float()
+        keys = torch.randint(-2, 3, (rows, dim), generator=g).float()
+        weights = torch.randint(-4, 5, (tokens, heads), generator=g).float() / 8
+    else:
+        q, keys = torch.randn(tokens, heads, dim, generator=g), torch.randn(rows, dim, generator=g)
+        weights = torch.randn(tokens, heads, generator=g) * (dim * heads) ** -0.5
+    candidates = _indices(tokens, width, rows, g)
+    candidates[tokens // 2, width // 3:] = -1  # fewer visible candidates than top-k
+    return q.to(dtype).to(DEVICE), weights.to(DEVICE), keys.to(dtype).to(DEVICE), candidates.to(DEVICE)
+
+
+INDEXER_SHAPES = [(1, 16, 32, 37, 20), (5, 20, 64, 130, 90), (3, 32, 32, 600, 25)]
+if CUDA:  # V4-Flash: 64 heads of 128
+    INDEXER_SHAPES += [(1, 64, 128, 16384, 16384), (256, 64, 128, 4096, 8192), (2048, 64, 128, 2048, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, heads, dim, width, rows", INDEXER_SHAPES)
+def test_indexer_scores_match_the_reference(tokens, heads, dim, width, rows, dtype):
+    inputs = _indexer_inputs(tokens, heads, dim, width, rows, dtype, seed=tokens + heads + width)
+    _poison()
+    ours = TritonAttention().indexer_scores(*inputs)
+    reference = REFERENCE.indexer_scores(*inputs)
+    hidden = reference == float("-inf")
+    assert ours.dtype == torch.float32 and torch.equal(ours == float("-inf"), hidden)
+    # bf16 inputs multiply exactly into the fp32 accumulator, so both dtypes differ only in summation order
+    size = reference[~hidden].abs().amax()
+    assert torch.all((ours[~hidden] - reference[~hidden]).abs() <= 1e-5 * size)
+
+
+@pytest.mark.parametrize("topk", [0, 4, 11, 1000])
+@pytest.mark.parametrize("tokens, heads, dim, width, rows", INDEXER_SHAPES[:2])
+def test_indexer_topk_selects_like_the_reference(tokens, heads, dim, width, rows, topk):
+    inputs = _indexer_inputs(tokens, heads, dim, width, rows, torch.bfloat16, seed=topk + width, integers=True)
+    ours = TritonAttention().indexer_topk(*inputs, topk)
+    assert torch.equal(ours, REFERENCE.indexer_topk(*inputs, topk))
+    k, visible = min(topk, width), int((inputs[3][tokens // 2] >= 0).sum())
+    assert ours.shape == (tokens, k) and int((ours[tokens // 2] == -1).sum()) == max(0, k - visible)
+
+
+def test_plugin_answers_only_on_cuda():
+    assert plugin.deepinfer_attention_backend(config=None, device=torch.device("cpu")) is None
+    assert isinstance(plugin.deepinfer_attention_backend(config=None, device=torch.device("cuda")), TritonAttention)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_cuda_graph_replays_on_new_inputs(tokens):
+    backend = TritonAttention()
+    q, sources, sinks = _attention_inputs(tokens, 64, 512, (128, 512), 4096, torch.bfloat16, seed=3)
+    iq, weights, keys, candidates = _indexer_inputs(tokens, 64, 128, 4096, 4096, torch.bfloat16, seed=4)
+    backend.sparse_attention(q, sources, sinks, 0.04)  # compile outside the capture
+    backend.indexer_scores(iq, weights, keys, candidates)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.sparse_attention(q, sources, sinks, 0.04)
+        scores = backend.indexer_scores(iq, weights, keys, candidates)
+    q2, sources2, sinks2 = _attention_inputs(tokens, 64, 512, (128, 512), 4096, torch.bfloat16, seed=13)
+    inputs2 = _indexer_inputs(tokens, 64, 128, 4096, 4096, torch.bfloat16, seed=14)
+    for target, value in [(q, q2), (sinks, sinks2), (iq, inputs2[0]), (weights, inputs2[1]), (keys, inputs2[2]),
+                          (candidates, inputs2[3])] + [pair for s, s2 in zip(sources, sources2) for pair in zip(s, s2)]:
+        target.copy_(value)
+    graph.replay()
+    reference = REFERENCE.sparse_attention(q2, sources2, sinks2, 0.04)
+    assert torch.all((out.float() - reference.float()).abs() <= _tolerance(reference, torch.bfloat16))
+    expected = REFERENCE.indexer_scores(*inputs2)
+    visible = expected > float("-inf")
+    assert torch.equal(scores > float("-inf"), visible)
+    assert torch.all((scores[visible] - expected[visible]).abs() <= 1e-5 * expected[visible].abs().amax())

@@ -1,0 +1,161 @@
+"""The NVIDIA backend's Triton routed experts (MXFP4 and float weights) against the torch reference MoE.
+
+Natively on a GPU, in Triton's interpreter elsewhere (conftest turns it on); skipped without triton.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
+
+from deepinfer.core.quantization import quantize_fp4, quantize_fp8  # noqa: E402
+from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
+from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
+from deepinfer_nvidia import moe as moe_module  # noqa: E402
+from deepinfer_nvidia.moe import BM, TritonMoE, _blocks  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+# (tokens, experts, top-k, hidden, intermediate, activation block)
+SHAPES = [(5, 4, 2, 64, 32, 32), (19, 8, 2, 128, 64, 128), (1, 8, 3, 64, 64, 32)]
+if CUDA:
+    SHAPES += [(64, 16, 6, 1024, 512, 128), (300, 16, 6, 1024, 512, 32), (1, 64, 6, 2048, 1024, 128)]
+# (expert weight format, activation dtype)
+FORMATS = [("mxfp4", torch.float32), ("mxfp4", torch.bfloat16), (torch.float32, torch.float32),
+           (torch.bfloat16, torch.bfloat16)]
+
+
+def _experts(fmt, experts: int, hidden: int, inter: int, block: int, g: torch.Generator) -> ExpertWeights:
+    def weight(rows, cols):
+        return torch.randn(experts, rows, cols, generator=g) * cols**-0.5
+
+    if fmt != "mxfp4":
+        return ExpertWeights(*(weight(r, c).to(fmt).to(DEVICE) for r, c in ((inter, hidden),) * 2 + ((hidden, inter),)),
+                             10.0)
+
+    def packed(rows, cols):
+        codes, scales = zip(*(quantize_fp4(w.to(DEVICE)) for w in weight(rows, cols)))
+        return torch.stack(codes), torch.stack(scales)
+
+    (w1, s1), (w3, s3), (w2, s2) = packed(inter, hidden), packed(inter, hidden), packed(hidden, inter)
+    return ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, block)
+
+
+def _inputs(tokens: int, experts: int, top_k: int, hidden: int, dtype, g: torch.Generator):
+    x = (torch.randn(tokens, hidden, generator=g) * 2).to(dtype)
+    ids = torch.rand(tokens, experts, generator=g).argsort(1)[:, :top_k]  # distinct experts per token
+    return x.to(DEVICE), ids.to(DEVICE), torch.rand(tokens, top_k, generator=g).to(DEVICE)
+
+
+def _check(ours: torch.Tensor, reference: torch.Tensor, fmt, dtype) -> None:
+    assert ours.dtype == dtype and ours.shape == reference.shape and torch.isfinite(ours).all()
+    # MXFP4 and fp32 weights: the same products in another fp32 summation order, tiny against the output's size.
+    # bf16 weights on a GPU also round SwiGLU's fp32 output to bf16 (2^-9 relative per element) before w2.
+    scale = reference.float().abs().amax()
+    tolerance = (2**-7 if fmt == torch.bfloat16 else 1e-4) * scale
+    if dtype == torch.bfloat16:
+        tolerance = tolerance + reference.float().abs() * 2**-7  # plus one ulp of the output's dtype
+    assert torch.all((ours.float() - reference.float()).abs() <= tolerance)
+
+
+def _compare(weights: ExpertWeights, x, ids, topk_weights, fmt) -> None:
+    if CUDA:
+        torch.full((1 << 26,), float("nan"), device=DEVICE)  # poison what the kernels allocate next
+    ours = TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights)
+    _check(ours, TorchMoE().routed_experts(x, ids, topk_weights, weights), fmt, x.dtype)
+
+
+@pytest.mark.parametrize("fmt, dtype", FORMATS)
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, block", SHAPES)
+def test_experts_match_the_reference(tokens, experts, top_k, hidden, inter, block, fmt, dtype):
+    g = torch.Generator().manual_seed(tokens * 31 + experts)
+    weights = _experts(fmt, experts, hidden, inter, block, g)
+    _compare(weights, *_inputs(tokens, experts, top_k, hidden, dtype, g), fmt)
+
+
+@pytest.mark.parametrize("fmt, dtype", FORMATS[1:])
+def test_uneven_routing(fmt, dtype):
+    """One expert gets more than BM rows (two blocks), most get none."""
+    tokens, experts, hidden, inter = BM + 4, 8, 64, 32
+    g = torch.Generator().manual_seed(7)
+    weights = _experts(fmt, experts, hidden, inter, 32, g)
+    x, _, topk_weights = _inputs(tokens, experts, 2, hidden, dtype, g)
+    ids = torch.stack([torch.full((tokens,), 5), torch.randint(0, 2, (tokens,), generator=g) * 2], 1).to(DEVICE)
+    _compare(weights, x, ids, topk_weights, fmt)
+
+
+@pytest.mark.parametrize("fmt, dtype", FORMATS[1:])
+def test_no_tokens(fmt, dtype):
+    g = torch.Generator().manual_seed(0)
+    weights = _experts(fmt, 4, 64, 32, 32, g)
+    x, ids, topk_weights = _inputs(0, 4, 2, 64, dtype, g)
+    out = TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights)
+    assert out.shape == (0, 64) and out.dtype == dtype
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 3), (5, 4, 2), (40, 8, 2), (300, 64, 6), (3, 256, 6)])
+def test_blocks_cover_every_assignment_once(tokens, experts, top_k):
+    """The grid's size follows from shapes alone; its blocks with rows cover each expert's sorted rows exactly."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[: tokens // 2, 0] = 1  # one popular expert: several blocks, one partial
+    order, (expert, start, rows) = _blocks(ids.to(DEVICE), experts)
+    assignments = tokens * top_k
+    assert len(expert) == -(-assignments // BM) + min(experts, assignments)
+    sorted_ids = ids.flatten()[order.cpu()]
+    covered = torch.zeros(assignments, dtype=torch.int64)
+    for e, s, n in zip(expert.tolist(), start.tolist(), rows.tolist()):
+        assert 0 <= n <= BM and 0 <= e < experts
+        covered[s:s + n] += 1
+        assert torch.all(sorted_ids[s:s + n] == e)
+    assert torch.all(covered == 1)
+
+
+def test_fp8_experts_fall_back_to_the_reference_with_a_warning(monkeypatch):
+    warnings = []
+    monkeypatch.setattr(moe_module, "log_once", lambda logger, level, message: warnings.append(message))
+    g = torch.Generator().manual_seed(3)
+    float_weights = _experts(torch.float32, 4, 64, 32, 32, g)
+    stacks = [tuple(torch.stack(t) for t in zip(*(quantize_fp8(w, 32, 32) for w in stack)))
+              for stack in (float_weights.w1, float_weights.w3, float_weights.w2)]
+    (w1, s1), (w3, s3), (w2, s2) = stacks
+    weights = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, 32)
+    x, ids, topk_weights = _inputs(3, 4, 2, 64, torch.float32, g)
+    ours = TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights)
+    assert torch.equal(ours, TorchMoE().routed_experts(x, ids, topk_weights, weights))
+    assert len(warnings) == 1 and "float8_e4m3fn" in warnings[0]
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("fmt", ["mxfp4", torch.bfloat16])
+def test_cuda_graph_replays_with_new_routing(fmt):
+    tokens, experts, top_k, hidden, inter, block = 64, 16, 6, 512, 256, 128
+    g = torch.Generator().manual_seed(11)
+    weights = _experts(fmt, experts, hidden, inter, block, g)
+    x, ids, topk_weights = _inputs(tokens, experts, top_k, hidden, torch.bfloat16, g)
+    moe = TritonMoE(TorchMoE())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels before the capture
+        moe.routed_experts(x, ids, topk_weights, weights)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.routed_experts(x, ids, topk_weights, weights)
+    _, random_ids, _ = _inputs(tokens, experts, top_k, hidden, torch.bfloat16, g)
+    # every token's first choice is expert 0 (four blocks of BM rows); no expert above 8 gets a token
+    skewed = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), torch.randperm(8, generator=g)[:top_k - 1] + 1])
+                          for _ in range(tokens)]).to(DEVICE)
+    for new_ids in (random_ids, skewed):
+        new_x, _, new_weights = _inputs(tokens, experts, top_k, hidden, torch.bfloat16, g)
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        topk_weights.copy_(new_weights)
+        graph.replay()
+        _check(out, TorchMoE().routed_experts(x, ids, topk_weights, weights), fmt, torch.bfloat16)

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Issue 6 on the lent H200: install with build.sh, kernel and CUDA-graph tests natively, flash4L benchmarks
+# against HF transformers and the measured roofline. One section per device call (each must stay < 10 min):
+#
+#   tools/gpu_flash4l.sh install,tests,roofline,small $OUT     then     tools/gpu_flash4l.sh install,large $OUT
+set -uo pipefail
+sections=",$1,"
+out="${2:-${OUT:-/tmp/gpu-out}}"
+mkdir -p "$out"
+has() { [[ "$sections" == *",$1,"* ]]; }
+stamp() { echo "== $(date +%T) $*"; }
+
+if has install; then
+    stamp install
+    pip install --quiet --no-deps --no-index .wheels/pluggy-*.whl 2>&1 | tail -2
+    # offline: no index, and the box's own setuptools instead of an isolated build environment
+    PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tail -8
+fi
+if command -v deepinfer >/dev/null && python -c "import deepinfer_nvidia" 2>/dev/null; then
+    bench=(deepinfer bench)
+else  # build.sh failed: register the plugin by hand
+    export PYTHONPATH="$PWD:$PWD/backends/nvidia"
+    bench=(python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); from deepinfer.cli import main; main()" bench)
+    echo "build.sh did not install the plugin; registering it by hand"
+fi
+export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
+
+if has tests; then
+    stamp tests
+    timeout 300 python -m pytest -q -x tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
+        tests/test_nvidia_fp8_linear.py 2>&1 | tail -15
+fi
+if has graphtests; then
+    stamp graphtests
+    timeout 200 python -m pytest -q -x tests/test_cuda_graphs.py 2>&1 | tail -4
+fi
+
+if has roofline; then
+    stamp roofline
+    python - <<'PY' | tee "$out/roofline.json"
+import json, torch, triton.testing
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+copy_ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=20, rep=200)
+a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda"); b = torch.randn_like(a)
+mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=20, rep=200)
+print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps_read_plus_write": 2 * 2**30 / copy_ms / 1e6,
+                  "bf16_matmul_TFLOPS_8192": 2 * 8192**3 / mm_ms / 1e9}))
+PY
+fi
+
+python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L >/dev/null
+latency() {  # name, then bench latency arguments
+    local name=$1; shift
+    stamp "latency $name"
+    timeout 400 "${bench[@]}" latency --model /tmp/flash4L --load-format dummy --dtype bfloat16 --num-iters-warmup 1 \
+        --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|captured|CUDA graphs" | head -5
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v[m] for m in ('avg_latency','prefill_tokens_per_second','decode_tokens_per_second')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_$name.json" 2>&1
+}
+if has profile; then  # kernels per eager decode step at batch 1 and 16
+    for b in 1 16; do
+        stamp "profile b$b"
+        python tools/profile_decode.py /tmp/flash4L --dummy --batch-size $b 2>&1 | grep -v INFO | head -22
+    done
+fi
+if has small; then
+    latency b1 --batch-size 1 --input-len 512 --output-len 64 --compare-hf
+    latency b1_eager --batch-size 1 --input-len 512 --output-len 64 --enforce-eager
+    latency b16 --batch-size 16 --input-len 512 --output-len 64 --compare-hf
+fi
+if has large; then
+    latency b64 --batch-size 64 --input-len 512 --output-len 64
+    latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
+    latency prefill8192 --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --compare-hf
+fi
+stamp done
