@@ -18,7 +18,9 @@ from deepinfer.core.quantization import quantize_fp4, quantize_fp8  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia import moe as moe_module  # noqa: E402
-from deepinfer_nvidia.moe import BM, TritonMoE, _blocks  # noqa: E402
+from deepinfer_nvidia.moe import LARGE_BM, SMALL_BM, TritonMoE, _blocks, block_rows  # noqa: E402
+
+BM = SMALL_BM
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -91,6 +93,18 @@ def test_uneven_routing(fmt, dtype):
 
 
 @pytest.mark.parametrize("fmt, dtype", FORMATS[1:])
+def test_many_rows_per_expert_take_large_blocks(fmt, dtype):
+    """A prefill-like batch (32+ rows per expert) runs the 64-row blocks: 2 full ones and partial ones."""
+    tokens, experts, hidden, inter = 2 * LARGE_BM + 9, 4, 64, 32
+    assert block_rows(tokens * 2, experts) == LARGE_BM
+    g = torch.Generator().manual_seed(11)
+    weights = _experts(fmt, experts, hidden, inter, 32, g)
+    x, ids, topk_weights = _inputs(tokens, experts, 2, hidden, dtype, g)
+    ids[:, 0] = 3  # expert 3 gets every token once: two full blocks and a partial one
+    _compare(weights, x, ids, topk_weights, fmt)
+
+
+@pytest.mark.parametrize("fmt, dtype", FORMATS[1:])
 def test_no_tokens(fmt, dtype):
     g = torch.Generator().manual_seed(0)
     weights = _experts(fmt, 4, 64, 32, 32, g)
@@ -99,19 +113,20 @@ def test_no_tokens(fmt, dtype):
     assert out.shape == (0, 64) and out.dtype == dtype
 
 
+@pytest.mark.parametrize("bm", [SMALL_BM, LARGE_BM])
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 3), (5, 4, 2), (40, 8, 2), (300, 64, 6), (3, 256, 6)])
-def test_blocks_cover_every_assignment_once(tokens, experts, top_k):
+def test_blocks_cover_every_assignment_once(tokens, experts, top_k, bm):
     """The grid's size follows from shapes alone; its blocks with rows cover each expert's sorted rows exactly."""
     g = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids[: tokens // 2, 0] = 1  # one popular expert: several blocks, one partial
-    order, (expert, start, rows) = _blocks(ids.to(DEVICE), experts)
+    order, (expert, start, rows) = _blocks(ids.to(DEVICE), experts, bm)
     assignments = tokens * top_k
-    assert len(expert) == -(-assignments // BM) + min(experts, assignments)
+    assert len(expert) == -(-assignments // bm) + min(experts, assignments)
     sorted_ids = ids.flatten()[order.cpu()]
     covered = torch.zeros(assignments, dtype=torch.int64)
     for e, s, n in zip(expert.tolist(), start.tolist(), rows.tolist()):
-        assert 0 <= n <= BM and 0 <= e < experts
+        assert 0 <= n <= bm and 0 <= e < experts
         covered[s:s + n] += 1
         assert torch.all(sorted_ids[s:s + n] == e)
     assert torch.all(covered == 1)

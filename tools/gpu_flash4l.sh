@@ -2,7 +2,11 @@
 # Issue 6 on the lent H200: install with build.sh, kernel and CUDA-graph tests natively, flash4L benchmarks
 # against HF transformers and the measured roofline. One section per device call (each must stay < 10 min):
 #
-#   tools/gpu_flash4l.sh install,tests,roofline,small $OUT     then     tools/gpu_flash4l.sh install,large $OUT
+#   tools/gpu_flash4l.sh install,tests,roofline,kernels,small $OUT     then     tools/gpu_flash4l.sh install,large $OUT
+#
+# Sections: install, tests (every NVIDIA kernel test), quicktests, roofline, kernels (tools/gpu_kernels.py),
+# profile (tools/profile_decode.py at batch 1 and 16), small (batch 1 and 16 against HF, batch 1 eager), large
+# (batch 64 and 256, an 8192-token prefill against HF).
 set -uo pipefail
 sections=",$1,"
 out="${2:-${OUT:-/tmp/gpu-out}}"
@@ -30,9 +34,9 @@ if has tests; then
     timeout 300 python -m pytest -q -x tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
         tests/test_nvidia_fp8_linear.py 2>&1 | tail -15
 fi
-if has graphtests; then
-    stamp graphtests
-    timeout 200 python -m pytest -q -x tests/test_cuda_graphs.py 2>&1 | tail -4
+if has quicktests; then  # the tests of what changes most often
+    stamp quicktests
+    timeout 200 python -m pytest -q -x tests/test_nvidia_moe.py tests/test_nvidia_mhc.py tests/test_cuda_graphs.py 2>&1 | tail -4
 fi
 
 if has roofline; then
@@ -46,6 +50,11 @@ mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=20, rep=200)
 print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps_read_plus_write": 2 * 2**30 / copy_ms / 1e6,
                   "bf16_matmul_TFLOPS_8192": 2 * 8192**3 / mm_ms / 1e9}))
 PY
+fi
+
+if has kernels; then
+    stamp kernels
+    timeout 200 python tools/gpu_kernels.py 2>&1 | tee "$out/kernels.json" | tail -40
 fi
 
 python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L >/dev/null

@@ -56,15 +56,14 @@ class DecodeGraphs:
     def logits(self, scheduled) -> torch.Tensor:
         """Next-token logits [len(scheduled), V]: a view of the graph's output, valid until its next replay."""
         shape = self._shape(scheduled)
-        batch = self.builder.build(scheduled, shape)
         if not self.capture:
-            return self._forward(batch)[: len(scheduled)]
+            return self._forward(self.builder.build(scheduled, shape))[: len(scheduled)]
         key = (shape.num_tokens, max(shape.candidates.values(), default=0))
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = self._capture(batch)
+            captured = self.graphs[key] = self._capture(self.builder.build(scheduled, shape))
         else:
-            captured.inputs.copy_(batch)
+            captured.inputs.copy_(self.builder.build(scheduled, shape, on_host=True))
         captured.graph.replay()
         return captured.logits[: len(scheduled)]
 

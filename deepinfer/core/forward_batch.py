@@ -75,12 +75,10 @@ class ForwardBatchBuilder:
         self.device = device
 
     def _tables(self, requests, kind: str) -> torch.Tensor:
-        width = max(len(r.tables.get(kind, ())) for r in requests)
-        table = torch.full((len(requests), max(width, 1)), -1, dtype=torch.int64)
-        for i, request in enumerate(requests):
-            blocks = request.tables.get(kind, ())
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        return table
+        rows = [r.tables.get(kind, ()) for r in requests]
+        width = max(1, max(map(len, rows)))
+        # one tensor from padded lists: per-request tensors cost more host time than the rest of the step's build
+        return torch.tensor([[*blocks, *(-1,) * (width - len(blocks))] for blocks in rows], dtype=torch.int64)
 
     def _slots(self, table: torch.Tensor, kind: str, owner: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Row slot of ``positions`` (any shape, paired with ``owner``); -1 for positions < 0."""
@@ -91,8 +89,10 @@ class ForwardBatchBuilder:
         slot = block * rows + (pos % self.block_size) // (self.block_size // rows)
         return torch.where(valid & (block >= 0), slot, -1)
 
-    def build(self, scheduled: list[tuple[object, int, int]], padded: "PaddedShape | None" = None) -> ForwardBatch:
-        """Slot tensors for the step; with ``padded``, shaped for a captured CUDA graph (see ``PaddedShape``)."""
+    def build(self, scheduled: list[tuple[object, int, int]], padded: "PaddedShape | None" = None,
+              on_host: bool = False) -> ForwardBatch:
+        """Slot tensors for the step; with ``padded``, shaped for a captured CUDA graph (see ``PaddedShape``).
+        ``on_host`` leaves them in host memory (for a copy straight into a graph's inputs)."""
         requests = [r for r, _, _ in scheduled]
         positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
         owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
@@ -116,7 +116,7 @@ class ForwardBatchBuilder:
             batch.token_history = self._history(scheduled)
         if padded is not None:
             batch = padded.pad(batch)
-        return batch.to(self.device) if self.device is not None else batch
+        return batch if on_host or self.device is None else batch.to(self.device)
 
     def _history(self, scheduled) -> torch.Tensor:
         h = self.token_history

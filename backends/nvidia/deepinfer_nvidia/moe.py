@@ -1,10 +1,10 @@
 """Routed experts in Triton, one grouped GEMM launch per projection for all experts: packed MXFP4 weights (what the
 releases ship) or float ones (bf16, fp16, fp32: tiny and converted models).
 
-Assignments (token, expert) are sorted by expert and cut into blocks of ``BM`` rows that each belong to one expert.
-How many blocks there are depends on the routing, which only the GPU knows; waiting for it would stall the host and
+Assignments (token, expert) are sorted by expert and cut into blocks of ``bm`` rows (16 at decode, 64 in long
+prefills) that each belong to one expert. How many blocks there are depends on the routing, which only the GPU knows; waiting for it would stall the host and
 forbid CUDA graphs. So the grid has a bound computed from shapes alone (each expert's last block may be partial:
-``ceil(T*k / BM) + min(E, T*k)``) and the surplus blocks get 0 rows and return before reading any weight. Nothing in
+``ceil(T*k / bm) + min(E, T*k)``) and the surplus blocks get 0 rows and return before reading any weight. Nothing in
 ``routed_experts`` synchronises with the host or has a data-dependent shape: it can be captured in a CUDA graph and
 replayed with other routing.
 
@@ -35,7 +35,13 @@ from deepinfer_nvidia.fp8_linear import act_quant
 
 logger = init_logger(__name__)
 
-BM = 16  # rows per block: the few tokens each expert gets at decode fill one MMA tile
+# Rows per block: the few tokens each expert gets at decode fill one 16-row MMA tile; in a long prefill each expert
+# gets hundreds, and 64-row blocks read each expert's weights a quarter as often.
+SMALL_BM, LARGE_BM = 16, 64
+
+
+def block_rows(assignments: int, experts: int) -> int:
+    return LARGE_BM if assignments >= 32 * experts else SMALL_BM
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -147,22 +153,22 @@ def _float_experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, out_ptr, out_rows_ptr
     _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
 
 
-def _blocks(topk_ids: torch.Tensor, experts: int):
+def _blocks(topk_ids: torch.Tensor, experts: int, bm: int):
     """Expert-sorted assignment order and, per block of a grid sized from shapes alone, its expert, first sorted row
     and row count (0 for surplus blocks). Only device-side ops: no bincount or repeat_interleave, which sync."""
     device = topk_ids.device
     sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
     first_row = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=device))  # of each expert's rows
     counts = first_row.diff()
-    per_expert = (counts + BM - 1) // BM
+    per_expert = (counts + bm - 1) // bm
     block_end = torch.cumsum(per_expert, 0)
     assignments = sorted_ids.numel()
-    block = torch.arange(triton.cdiv(assignments, BM) + min(experts, assignments), device=device)
+    block = torch.arange(triton.cdiv(assignments, bm) + min(experts, assignments), device=device)
     # the expert whose blocks cover ``block``; past the last block, the last expert with an index beyond its rows
     expert = torch.searchsorted(block_end, block, right=True).clamp_(max=experts - 1)
     index_in_expert = block - (block_end - per_expert)[expert]
-    start = first_row[expert] + index_in_expert * BM
-    rows = (counts[expert] - index_in_expert * BM).clamp(0, BM)
+    start = first_row[expert] + index_in_expert * bm
+    rows = (counts[expert] - index_in_expert * bm).clamp(0, bm)
     return order, (expert.int(), start.int(), rows.int())
 
 
@@ -171,7 +177,7 @@ def _grid(blocks, n):
     return (len(blocks[0]), triton.cdiv(n, bn)), bn
 
 
-def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, activation_block, v=None, v_scale=None, limit=0.0):
+def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, v=None, v_scale=None, limit=0.0):
     """fp32 [len(out_rows), N]: rows of ``a`` (FP8-rounded here) times w, or swiglu of w and v when v is given."""
     aq, sa = act_quant(a.contiguous(), activation_block)
     n = w.shape[1]
@@ -182,19 +188,19 @@ def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, activation_block, v=No
     grid, bn = _grid(blocks, n)
     _fp4_experts_kernel[grid](aq, sa, a_rows, w, v, scales, v_scale, out, out_rows, *blocks, n, limit, aq.stride(0),
                               sa.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1),
-                              out.stride(0), K=2 * w.shape[2], ACT_BLOCK=activation_block, BLOCK_M=BM, BN=bn,
+                              out.stride(0), K=2 * w.shape[2], ACT_BLOCK=activation_block, BLOCK_M=bm, BN=bn,
                               SWIGLU=swiglu, NATIVE=a.device.type == "cuda")
     return out
 
 
-def _float_experts(a, a_rows, out_rows, w, blocks, v=None, limit=0.0):
+def _float_experts(a, a_rows, out_rows, w, blocks, bm, v=None, limit=0.0):
     """As ``_fp4_experts`` for float weights, with the activations as they are."""
     a = a.contiguous()
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(len(out_rows), n, dtype=torch.float32, device=a.device)
     grid, bn = _grid(blocks, n)
     _float_experts_kernel[grid](a, a_rows, w, w if v is None else v, out, out_rows, *blocks, n, limit, a.stride(0),
-                                w.stride(0), w.stride(1), out.stride(0), K=k, BLOCK_M=BM, BN=bn, BK=64,
+                                w.stride(0), w.stride(1), out.stride(0), K=k, BLOCK_M=bm, BN=bn, BK=64,
                                 SWIGLU=v is not None, NATIVE=a.device.type == "cuda")
     return out
 
@@ -220,15 +226,17 @@ class TritonMoE:
         tokens, top_k = topk_ids.shape
         if tokens == 0:
             return torch.zeros_like(x)
-        order, blocks = _blocks(topk_ids, w1.shape[0])
+        bm = block_rows(topk_ids.numel(), w1.shape[0])
+        order, blocks = _blocks(topk_ids, w1.shape[0], bm)
         token_of, order = (order // top_k).int(), order.int()
         sorted_rows = torch.arange(len(order), dtype=torch.int32, device=x.device)
         limit = weights.swiglu_limit
         if fp4:
             block = weights.activation_block
-            h = _fp4_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, block, w3, weights.w3_scale, limit)
-            down = _fp4_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, block)
+            h = _fp4_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, block, w3, weights.w3_scale,
+                             limit)
+            down = _fp4_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, bm, block)
         else:
-            h = _float_experts(x, token_of, sorted_rows, w1, blocks, w3, limit)
-            down = _float_experts(h, sorted_rows, order, w2, blocks)
+            h = _float_experts(x, token_of, sorted_rows, w1, blocks, bm, w3, limit)
+            down = _float_experts(h, sorted_rows, order, w2, blocks, bm)
         return (down.view(tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(1).to(x.dtype)

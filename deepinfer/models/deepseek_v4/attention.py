@@ -81,9 +81,9 @@ class Indexer(nn.Module):
         self.compressor = Compressor(config.hidden_size, self.dim, config.csa_ratio, 2, config.rms_norm_eps)
         self.weight_scale = self.dim**-0.5 * self.n_heads**-0.5
 
-    def forward(self, x, qr, cos_sin, keys, meta: CompressedMeta, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x, qr, phases, keys, meta: CompressedMeta, backend: AttentionBackend) -> torch.Tensor:
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.dim)
-        q = self.rotary.apply(q, cos_sin)
+        q = self.rotary.apply(q, phases)
         weights = self.weights_proj(x).float() * self.weight_scale
         return backend.indexer_topk(q, weights, keys, meta.candidates, self.topk)
 
@@ -116,15 +116,15 @@ class Attention(nn.Module):
         state.index_copy_(0, meta.state_slots, compressor.state_rows(x, positions))
         if meta.close_slots.numel():
             pooled = compressor.pool(state, meta)
-            pooled = self.rotary.apply(pooled, self.rotary.cos_sin(meta.close_positions))
+            pooled = self.rotary.apply(pooled, self.rotary.phases(meta.close_positions))
             entries.index_copy_(0, meta.close_slots, pooled.to(entries.dtype))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin, caches) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, phases, caches) -> torch.Tensor:
         num_tokens = x.shape[0]
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim)
-        q = self.rotary.apply(unweighted_rms_norm(q, self.eps), cos_sin)
-        kv = self.rotary.apply(self.kv_norm(self.wkv(x)), cos_sin)
+        q = self.rotary.apply(unweighted_rms_norm(q, self.eps), phases)
+        kv = self.rotary.apply(self.kv_norm(self.wkv(x)), phases)
 
         raw = caches.pool("swa", "kv", self.layer_id)
         raw.index_copy_(0, batch.swa_slots, kv.to(raw.dtype))
@@ -141,8 +141,8 @@ class Attention(nn.Module):
                 keys = caches.pool(entries_kind, "index", self.layer_id)
                 key_state = caches.pool(state_kind, "index", self.layer_id)
                 self._compress(self.indexer.compressor, x, batch.positions, meta, key_state, keys)
-                sources.append((entries, self.indexer(x, qr, cos_sin, keys, meta, self.backend)))
+                sources.append((entries, self.indexer(x, qr, phases, keys, meta, self.backend)))
 
         o = self.backend.sparse_attention(q, sources, self.attn_sink, self.scale)
-        o = self.rotary.apply(o, cos_sin, inverse=True)
+        o = self.rotary.apply(o, phases, inverse=True)
         return grouped_output(o, self.wo_a, self.wo_b, self.o_groups)

@@ -35,9 +35,9 @@ class Block(nn.Module):
         self.attn = Attention(c, layer_id, rotary, attention)
         self.ffn = MoE(c, c.hash_layers[layer_id], moe)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, cos_sin, caches: KVCache) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, phases, caches: KVCache) -> torch.Tensor:
         x, post, comb = self.hc_attn.collapse(streams)
-        streams = HyperConnection.expand(streams, self.attn(self.attn_norm(x), batch, cos_sin, caches), post, comb)
+        streams = HyperConnection.expand(streams, self.attn(self.attn_norm(x), batch, phases, caches), post, comb)
         x, post, comb = self.hc_ffn.collapse(streams)
         return HyperConnection.expand(streams, self.ffn(self.ffn_norm(x), batch.token_ids), post, comb)
 
@@ -113,12 +113,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Returns the mHC streams [T, hc_mult, hidden] of every token in the step."""
         x = self.embed(batch.token_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        cos_sin = {
-            self.rotary_main: self.rotary_main.cos_sin(batch.positions),
-            self.rotary_compress: self.rotary_compress.cos_sin(batch.positions),
+        phases = {
+            self.rotary_main: self.rotary_main.phases(batch.positions),
+            self.rotary_compress: self.rotary_compress.phases(batch.positions),
         }
         for layer in self.layers:
-            streams = layer(streams, batch, cos_sin[layer.attn.rotary], caches)
+            streams = layer(streams, batch, phases[layer.attn.rotary], caches)
         return streams
 
     def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.models.deepseek_v4.layers import rotate_pairs
 from deepinfer.plugins.interfaces import MHCBackend
 
 
@@ -43,14 +44,7 @@ class ComplexRotary:
         return torch.polar(torch.ones_like(angles), angles)
 
     def apply(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """``x`` is [T, D] or [T, heads, D]."""
-        pairs = torch.view_as_complex(x[..., -self.rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
-        if x.dim() == 3:
-            phases = phases.unsqueeze(1)
-        if inverse:
-            phases = phases.conj()
-        rotated = torch.view_as_real(pairs * phases).flatten(-2).to(x.dtype)
-        return torch.cat((x[..., : -self.rope_dim], rotated), dim=-1)
+        return rotate_pairs(x, phases, self.rope_dim, inverse)
 
 
 class MixPredictor(nn.Module):
