@@ -128,7 +128,7 @@ class LLMEngine:
         self.scheduler = Scheduler(limits, self.blocks)
         rows = {k.name: self.cache.rows_per_block(k.name) for k in kinds}
         self.batch_builder = ForwardBatchBuilder(mc.window, overlaps, block_size, rows, self.device,
-                                                 self.model.token_history)
+                                                 self.model.token_history, self.model.host_inputs)
         logger.info("cache: %d tokens of full-context state, block size %d, %.1f MiB", tokens, block_size, self.cache.nbytes() / 2**20)
         self.graphs = None
         if self.device.type == "cuda" and not c.enforce_eager and self.graph_blockers:

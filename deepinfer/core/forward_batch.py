@@ -35,23 +35,23 @@ class ForwardBatch:
     window: torch.Tensor  # [T, W] raw KV slots each token attends to, -1 padded
     logits_rows: torch.Tensor  # [B] token rows whose next-token logits are needed
     compressed: dict[int, CompressedMeta] = field(default_factory=dict)
-    token_history: torch.Tensor | None = None  # [T, H] ids of the H tokens before each token, -1 before the start
+    # model-specific per-token inputs prepared on the host (the model's ``host_inputs``), first dim T
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device) -> "ForwardBatch":
         def move(obj, names):
             return [getattr(obj, name).to(device, non_blocking=True) for name in names]
 
         compressed = {r: CompressedMeta(m.ratio, m.overlap, *move(m, _META_FIELDS)) for r, m in self.compressed.items()}
-        history = None if self.token_history is None else self.token_history.to(device, non_blocking=True)
-        return ForwardBatch(*move(self, _TENSOR_FIELDS), compressed=compressed, token_history=history)
+        extras = {name: t.to(device, non_blocking=True) for name, t in self.extras.items()}
+        return ForwardBatch(*move(self, _TENSOR_FIELDS), compressed=compressed, extras=extras)
 
     def copy_(self, source: "ForwardBatch") -> None:
         """Overwrite these tensors in place (the static inputs of a captured graph) with ``source``'s."""
         pairs = [(getattr(self, n), getattr(source, n)) for n in _TENSOR_FIELDS]
         for ratio, meta in self.compressed.items():
             pairs += [(getattr(meta, n), getattr(source.compressed[ratio], n)) for n in _META_FIELDS]
-        if self.token_history is not None:
-            pairs.append((self.token_history, source.token_history))
+        pairs += [(t, source.extras[name]) for name, t in self.extras.items()]
         for target, value in pairs:
             target.copy_(value, non_blocking=True)
 
@@ -64,12 +64,13 @@ class ForwardBatchBuilder:
     """Turns the scheduled (request, first position, token count) triples into slot tensors."""
 
     def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device,
-                 token_history: int = 0):
+                 token_history: int = 0, host_inputs=None):
         self.window = window
         # compression ratio -> how many windows pool each compressor-state row (2 for V4's CSA, 1 for HCA and
         # V4.1's ratio 2, 0 where no compressor state is kept)
         self.ratios = ratios
-        self.token_history = token_history
+        # (token_ids [T], history [T, token_history]) -> the model's extra inputs, when it looks at earlier tokens
+        self.token_history, self.host_inputs = token_history, host_inputs
         self.block_size = block_size
         self.rows_per_block = rows_per_block
         self.device = device
@@ -113,7 +114,7 @@ class ForwardBatchBuilder:
             width = None if padded is None else padded.candidates[ratio]
             batch.compressed[ratio] = self._compressed(requests, owner, positions, ratio, overlap, width)
         if self.token_history:
-            batch.token_history = self._history(scheduled)
+            batch.extras = self.host_inputs(token_ids, self._history(scheduled))
         if padded is not None:
             batch = padded.pad(batch)
         return batch if on_host or self.device is None else batch.to(self.device)
@@ -193,7 +194,6 @@ class PaddedShape:
                 close_slots=_pad_rows(torch.where(m.close_slots < 0, comp, m.close_slots), n, comp),
                 close_positions=_pad_rows(m.close_positions, n, 0),
             )
-        history = None if batch.token_history is None else _pad_rows(batch.token_history, n, -1)
         return ForwardBatch(
             token_ids=_pad_rows(batch.token_ids, n, 0),
             positions=_pad_rows(batch.positions, n, 0),
@@ -201,5 +201,5 @@ class PaddedShape:
             window=_pad_rows(batch.window, n, -1),
             logits_rows=torch.arange(n),
             compressed=compressed,
-            token_history=history,
+            extras={name: _pad_rows(t, n, 0) for name, t in batch.extras.items()},  # zeros: padded tokens are ignored
         )

@@ -8,7 +8,9 @@ the first unused ones above ``engram_vocab_size - 1``. Both are fixed by the rel
 exactly rather than stored.
 
 Real tables hold ~384M rows of 256 FP8 values per layer (about 100 GB each), so they stay memory-mapped from the
-checkpoint and only the looked-up rows are read and dequantized.
+checkpoint. The rows depend on token ids alone, so they are looked up on the host while the step's inputs are
+prepared (``DeepseekV41ForCausalLM.host_inputs``) and travel to the device with them, still FP8, where they are
+dequantized: the forward pass never waits on host memory and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ def _is_prime(n: int) -> bool:
     return n == 2 or (n > 2 and n % 2 == 1 and all(n % d for d in range(3, math.isqrt(n) + 1, 2)))
 
 
-class NgramHasher(nn.Module):
-    """Table rows ``[T, layers, (N-1) * heads]`` for the tokens of a step, given each token's predecessors."""
+class NgramHasher:
+    """Table rows ``[T, layers, (N-1) * heads]`` for the tokens of a step, given each token's predecessors.
+
+    Host-side (not a module: moving the model to its device leaves these tables where the lookups happen)."""
 
     def __init__(self, config, tokenizer):
-        super().__init__()
         import numpy as np
 
         mapping, size = normalised_vocabulary(tokenizer)
@@ -86,12 +89,12 @@ class NgramHasher(nn.Module):
             offsets.append([0] + list(np.cumsum(layer_primes[:-1])))
             rng = np.random.default_rng(10007 * layer)
             multipliers.append((rng.integers(0, bound, size=(self.order,), dtype=np.int64) * 2 + 1).tolist())
-        self.register_buffer("token_map", torch.tensor(mapping, dtype=torch.int64, device="cpu"), persistent=False)
-        self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64, device="cpu"), persistent=False)
-        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.int64, device="cpu"), persistent=False)
-        self.register_buffer("multipliers", torch.tensor(multipliers, dtype=torch.int64, device="cpu"), persistent=False)
+        self.token_map = torch.tensor(mapping, dtype=torch.int64, device="cpu")
+        self.primes = torch.tensor(primes, dtype=torch.int64, device="cpu")
+        self.offsets = torch.tensor(offsets, dtype=torch.int64, device="cpu")
+        self.multipliers = torch.tensor(multipliers, dtype=torch.int64, device="cpu")
 
-    def forward(self, token_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    def __call__(self, token_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """``token_ids`` [T]; ``history`` [T, N-1] the preceding ids, oldest first, -1 before the sequence start."""
         ids = torch.cat([token_ids.unsqueeze(1), history.flip(1)], dim=1)  # [T, N]: current, previous, ...
         started = (ids >= 0).cumprod(dim=1).bool()  # an n-gram reaching past position 0 is padded from there on
@@ -119,15 +122,14 @@ class Engram(nn.Module):
         self.table: torch.Tensor | None = None
         self.table_scale: torch.Tensor | None = None
 
-    def lookup(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        flat = rows.flatten().cpu()
-        values = self.table[flat].float()
-        scales = self.table_scale[flat].float().repeat_interleave(values.shape[-1] // self.table_scale.shape[-1], -1)
-        return (values * scales).to(device=rows.device, dtype=dtype).view(rows.shape[0], -1)
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the host: the FP8 rows [T, lookups, dim] and their scales' exponent bytes [T, lookups, dim/32]."""
+        return self.table[rows], self.table_scale[rows].view(torch.uint8)
 
-    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``streams`` [T, hc, D]; ``rows`` [T, lookups] table rows of this layer."""
-        memory = self.lookup(rows, streams.dtype)
+    def forward(self, streams: torch.Tensor, values: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+        """``streams`` [T, hc, D]; ``values``/``exponents`` this layer's rows as ``gather`` returns them."""
+        scales = torch.exp2(exponents.float() - 127).repeat_interleave(values.shape[-1] // exponents.shape[-1], -1)
+        memory = (values.float() * scales).to(streams.dtype).flatten(1)  # e8m0: the byte is the biased exponent
         key, value = self.wkv(memory).split((self.hc_mult * self.hidden, self.hidden), dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.hidden))
         hidden = streams.float()

@@ -55,9 +55,10 @@ class Block(nn.Module):
         self.ffn.gate.register_buffer("bias_vl", torch.zeros(c.n_routed_experts, dtype=torch.float32))
         self.engram = Engram(c, layer_id) if layer_id in c.engram_layer_ids else None
 
-    def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection, engram_rows):
+    def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection):
         if self.engram is not None:
-            streams = self.engram(streams, engram_rows[:, self.engram.index])
+            i = self.engram.index
+            streams = self.engram(streams, batch.extras["engram_values"][:, i], batch.extras["engram_exponents"][:, i])
         attn_pre, post, comb = self.hc_attn(streams)
         out = self.attn(self.attn_norm(collapse(streams, pre)), batch, phases, caches, selection)
         streams = expand(out, streams, post, comb)
@@ -132,11 +133,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Compression ratio -> pooling overlap (0: no compressor state is kept for it)."""
         return {r: (1 if r > 1 else 0) for r in set(self.config.compress_ratios) if r}
 
-    @property
-    def graph_blocker(self) -> str | None:
-        if self.config.engram_layer_ids:
-            return "the Engram tables are read in host memory during the forward pass"
-        return None
+    graph_blocker = None  # Engram rows arrive with the step's inputs (host_inputs)
+
+    def host_inputs(self, token_ids: torch.Tensor, history: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token inputs prepared on the host with the step's slot tensors: every Engram layer's table rows,
+        [T, layers, lookups, dim] FP8 values and [T, layers, lookups, dim/32] scale exponents."""
+        rows = self.ngram_hasher(token_ids, history)
+        values, exponents = zip(*(layer.engram.gather(rows[:, layer.engram.index])
+                                  for layer in self.layers if layer.engram is not None))
+        return {"engram_values": torch.stack(values, 1), "engram_exponents": torch.stack(exponents, 1)}
 
     @property
     def token_history(self) -> int:
@@ -165,12 +170,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.rotary_main: self.rotary_main.phases(batch.positions),
             self.rotary_compress: self.rotary_compress.phases(batch.positions),
         }
-        rows = None
-        if self.ngram_hasher is not None:
-            rows = self.ngram_hasher(batch.token_ids, batch.token_history)
         selection = Selection()
         for layer in self.layers:
-            streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, rows)
+            streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection)
         return collapse(streams, pre)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
