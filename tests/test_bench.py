@@ -38,3 +38,18 @@ def test_flash4l_fixture_loads_dummy_bf16_weights(tmp_path):
     assert dtypes <= {torch.bfloat16, torch.float32, torch.int64}, dtypes
     outputs = llm.generate([list(range(3, 300))], use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) > 0
+
+
+def test_v41flash8l_fixture_loads_dummy_released_formats(tmp_path):
+    shrunk = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_attention_heads=4, head_dim=64,
+                  qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32, o_groups=2, index_n_heads=4,
+                  index_head_dim=32, index_topk=8, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=97,
+                  engram_num_embeddings=[2000])
+    model_dir = write_fixture("v41flash8L", tmp_path / "v41", **shrunk)
+    llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
+    model = llm.engine.model
+    assert llm.engine.model_config.compress_ratios == [0, 0, 2, 2, 2, 2, 2, 2]
+    assert model.layers[3].ffn.experts.w1.weight.dtype == torch.int8  # MXFP4, as released
+    assert model.layers[3].attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    outputs = llm.generate([list(range(3, 300))], use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) > 0

@@ -6,7 +6,7 @@
 #
 # Sections: install, tests (every NVIDIA kernel test), quicktests, roofline, kernels (tools/gpu_kernels.py),
 # profile (tools/profile_decode.py at batch 1 and 16), small (batch 1 and 16 against HF, batch 1 eager), large
-# (batch 64 and 256, an 8192-token prefill against HF).
+# (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64).
 set -uo pipefail
 sections=",$1,"
 out="${2:-${OUT:-/tmp/gpu-out}}"
@@ -58,10 +58,10 @@ if has kernels; then
 fi
 
 python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L >/dev/null
-latency() {  # name, then bench latency arguments
+latency() {  # name, then bench latency arguments (--model defaults to flash4L)
     local name=$1; shift
     stamp "latency $name"
-    timeout 400 "${bench[@]}" latency --model /tmp/flash4L --load-format dummy --dtype bfloat16 --num-iters-warmup 1 \
+    timeout 400 "${bench[@]}" latency --model "${model:-/tmp/flash4L}" --load-format dummy --dtype bfloat16 --num-iters-warmup 1 \
         --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|captured|CUDA graphs" | head -5
     python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v[m] for m in ('avg_latency','prefill_tokens_per_second','decode_tokens_per_second')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_$name.json" 2>&1
 }
@@ -80,5 +80,10 @@ if has large; then
     latency b64 --batch-size 64 --input-len 512 --output-len 64
     latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
     latency prefill8192 --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --compare-hf
+fi
+if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    model=/tmp/v41flash8L latency v41_b1 --batch-size 1 --input-len 512 --output-len 64
+    model=/tmp/v41flash8L latency v41_b64 --batch-size 64 --input-len 512 --output-len 64
 fi
 stamp done

@@ -1,9 +1,14 @@
 """Config-only fixtures of full-size shapes, for ``deepinfer bench ... --load-format dummy`` (no weight files).
 
-``flash4L`` is DeepSeek-V4-Flash's first four layers (sliding, sliding, CSA, HCA; the first three hash-routed)
-at the release's dimensions, bf16 weights throughout. HF transformers' ``DeepseekV4Config`` defaults are
-V4-Flash's values, so the fixture only names what it changes. The tokenizer is the small test one: benchmarks
-feed token ids, and only decode of the outputs goes through it.
+- ``flash4L``: DeepSeek-V4-Flash's first four layers (sliding, sliding, CSA, HCA; the first three hash-routed) at
+  the release's dimensions, bf16 weights throughout. HF transformers' ``DeepseekV4Config`` defaults are V4-Flash's
+  values, so the fixture only names what it changes.
+- ``v41flash8L``: DeepSeek-V4.1-Flash's first eight layers (sliding, sliding with Engram, then six ratio-2 CSA2
+  layers reading layer 2's KV and index source) at the release's dimensions and formats: FP8 32x32 projections,
+  MXFP4 experts (384, top-6). Engram keeps the release's heads and widths, but its hash vocabulary is cut from 16M
+  to 100k, so its table is 2.5M rows (640 MB) instead of 384M.
+
+The tokenizer is the small test one: benchmarks feed token ids, and only decoding the outputs goes through it.
 
     python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L
 """
@@ -15,32 +20,76 @@ from pathlib import Path
 
 from deepinfer.testing.tiny_tokenizer import build_tiny_tokenizer
 
-FIXTURES = {
-    "flash4L": dict(
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
-                     "heavily_compressed_attention"],
-        num_hash_layers=3,
-        num_nextn_predict_layers=0,
-        max_position_embeddings=65536,
-        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
-    ),
-}
+TOKENIZER_VOCAB = 4096
+
+FLASH4L = dict(
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention"],
+    num_hash_layers=3,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=65536,
+    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+)
+
+V41_FLASH_8L = dict(
+    vocab_size=129280,
+    hidden_size=5120,
+    num_hidden_layers=8,
+    num_attention_heads=64,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=1280,
+    o_lora_rank=1024,
+    o_groups=8,
+    n_routed_experts=384,
+    num_experts_per_tok=6,
+    n_shared_experts=1,
+    moe_intermediate_size=2304,
+    scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5,
+    rms_norm_eps=1e-20,
+    sliding_window=128,
+    hc_mult=4,
+    compress_ratios=[0, 0, 2, 2, 2, 2, 2, 2],
+    kv_source_layer_ids=[2],
+    index_source_layer_ids=[2],
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=512,
+    engram_layer_ids=[1],
+    engram_num_embeddings=[2_500_000],
+    engram_max_ngram_size=4,
+    engram_vocab_size=100_000,
+    engram_n_heads=8,
+    engram_head_dim=256,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=65536,
+    rope_scaling={"rope_type": "yarn", "factor": 16.0, "beta_fast": 32, "beta_slow": 1,
+                  "original_max_position_embeddings": 65536},
+)
+
+FIXTURES = {"flash4L": FLASH4L, "v41flash8L": V41_FLASH_8L}
 
 
 def write_fixture(name: str, out_dir: str | Path, **overrides) -> Path:
     """config.json (+ tokenizer) of fixture ``name`` in ``out_dir``; ``overrides`` shrink it for tests."""
-    from transformers import DeepseekV4Config
-
     if name not in FIXTURES:
         raise ValueError(f"unknown fixture {name!r}; known: {sorted(FIXTURES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if name == "v41flash8L":
+        from deepinfer.testing.tiny_v41 import write_v41_config
+
+        write_v41_config(out, {**V41_FLASH_8L, **overrides}, tokenizer_vocab=TOKENIZER_VOCAB)
+        return out
+    from transformers import DeepseekV4Config
+
     config = DeepseekV4Config(**{**FIXTURES[name], **overrides})
     config.dtype = "bfloat16"
     config.save_pretrained(out)
-    build_tiny_tokenizer(out, vocab_size=4096)
+    build_tiny_tokenizer(out, vocab_size=TOKENIZER_VOCAB)
     return out
 
 

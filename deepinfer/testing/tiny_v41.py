@@ -70,24 +70,35 @@ def released_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """Write config.json, model.safetensors (random weights, released format) and a tokenizer; return the dir."""
-    from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
+def write_v41_config(out_dir: str | Path, text: dict, tokenizer_vocab: int | None = None) -> tuple[dict, object]:
+    """config.json (released ``quantization_config`` included) and a test tokenizer in ``out_dir`` for the text
+    config ``text``; Engram's normalised vocabulary size is taken from that tokenizer. Returns (config, tokenizer)."""
     from deepinfer.models.deepseek_v41.engram import normalised_vocabulary
-    from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
-    from deepinfer.plugins.builtin.torch_attention import TorchAttention
-    from deepinfer.plugins.builtin.torch_mhc import TorchMHC
-    from deepinfer.plugins.builtin.torch_moe import TorchMoE
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    text = {**TINY_V41, **overrides, "model_type": "deepseek_v41_text", "dtype": "bfloat16"}
-    build_tiny_tokenizer(out, vocab_size=text["vocab_size"])
+    text = {**text, "model_type": "deepseek_v41_text", "dtype": "bfloat16"}
+    build_tiny_tokenizer(out, vocab_size=tokenizer_vocab or text["vocab_size"])
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
     text["engram_compressed_vocab_size"] = normalised_vocabulary(tokenizer)[1]
     d = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": text,
-         "vision_config": {"num_hidden_layers": 0}, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+         "vision_config": {"num_hidden_layers": 0}, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+         "quantization_config": {**QUANTIZATION_CONFIG, "weight_block_size": list(V41.block)}}
+    (out / "config.json").write_text(json.dumps(d, indent=2))
+    return d, tokenizer
+
+
+def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write config.json, model.safetensors (random weights, released format) and a tokenizer; return the dir."""
+    from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
+    from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from deepinfer.plugins.builtin.torch_attention import TorchAttention
+    from deepinfer.plugins.builtin.torch_mhc import TorchMHC
+    from deepinfer.plugins.builtin.torch_moe import TorchMoE
+
+    out = Path(out_dir)
+    d, tokenizer = write_v41_config(out, {**TINY_V41, **overrides})
     config = DeepseekV41ModelConfig.from_dict(d)
     model = DeepseekV41ForCausalLM(config, TorchAttention(), TorchMoE(), TorchMHC(), torch.float32, tokenizer)
     g = torch.Generator().manual_seed(seed)
@@ -104,8 +115,6 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
         else:
             tensors[name] = value
     save_file(released_format(tensors), str(out / "model.safetensors"), metadata={"format": "pt"})
-    released = {**d, "quantization_config": {**QUANTIZATION_CONFIG, "weight_block_size": list(V41.block)}}
-    (out / "config.json").write_text(json.dumps(released, indent=2))
     return out
 
 
