@@ -4,7 +4,9 @@ A graph fixes every shape, so a decode batch is padded to the next captured batc
 candidates to a power-of-two context bucket (``PaddedShape``). A graph is captured the first time its (batch size,
 context) bucket comes up, right after an eager run of the same inputs: that run tunes the Triton kernels outside
 the capture and writes exactly the cache rows the replay then rewrites. All graphs share one memory pool, which
-is safe because they never run concurrently and each keeps its own static inputs and logits.
+is safe because they never run concurrently and each keeps its own static inputs and outputs. The graph stops at
+the model's last hidden state: the head runs eagerly on the real rows only, so no graph holds a [batch, vocab]
+logits buffer (hundreds of MB each for the larger buckets) and padded rows cost no head GEMM.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ MIN_CONTEXT = 256
 class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: ForwardBatch
-    logits: torch.Tensor
+    hidden: torch.Tensor  # the model's output rows for sampling, [padded batch, ...]
 
 
 class DecodeGraphs:
@@ -54,10 +56,10 @@ class DecodeGraphs:
         return PaddedShape(size, {r: -(-context // r) for r in self.ratios}, self.cache.scratch_rows)
 
     def logits(self, scheduled) -> torch.Tensor:
-        """Next-token logits [len(scheduled), V]: a view of the graph's output, valid until its next replay."""
+        """Next-token logits [len(scheduled), V]."""
         shape = self._shape(scheduled)
         if not self.capture:
-            return self._forward(self.builder.build(scheduled, shape))[: len(scheduled)]
+            return self.model.compute_logits(self._forward(self.builder.build(scheduled, shape))[: len(scheduled)])
         key = (shape.num_tokens, max(shape.candidates.values(), default=0))
         captured = self.graphs.get(key)
         if captured is None:
@@ -65,11 +67,10 @@ class DecodeGraphs:
         else:
             captured.inputs.copy_(self.builder.build(scheduled, shape, on_host=True))
         captured.graph.replay()
-        return captured.logits[: len(scheduled)]
+        return self.model.compute_logits(captured.hidden[: len(scheduled)])
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        streams = self.model(batch, self.cache)
-        return self.model.compute_logits(streams[batch.logits_rows])
+        return self.model(batch, self.cache)[batch.logits_rows]
 
     def _capture(self, batch: ForwardBatch) -> _Captured:
         start = time.perf_counter()
@@ -77,7 +78,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(batch)
+            hidden = self._forward(batch)
         logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", batch.token_ids.shape[0],
                     {r: m.candidates.shape[1] for r, m in batch.compressed.items()}, time.perf_counter() - start)
-        return _Captured(graph, batch, logits)
+        return _Captured(graph, batch, hidden)

@@ -27,22 +27,23 @@ def _blocked(request: Request) -> list[int]:
 
 def build_sampling_batch(requests: list[Request], vocab_size: int, device) -> SamplingBatch:
     params = [r.params for r in requests]
-
-    def column(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    # two host-to-device copies per step (one per dtype) rather than one per parameter
+    floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                            p.repetition_penalty] for p in params], dtype=torch.float32).T.contiguous().to(device)
+    ints = torch.tensor([[max(p.top_k, 0), _sample_seed(r), r.num_output_tokens] for p, r in zip(params, requests)],
+                        dtype=torch.int64).T.contiguous().to(device)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     penalised = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
     return SamplingBatch(
-        temperature=column([p.temperature for p in params], torch.float32),
-        top_k=column([max(p.top_k, 0) for p in params], torch.int64),
-        top_p=column([p.top_p for p in params], torch.float32),
-        min_p=column([p.min_p for p in params], torch.float32),
-        presence_penalty=column([p.presence_penalty for p in params], torch.float32),
-        frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
-        repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
-        seeds=column([_sample_seed(r) for r in requests], torch.int64),
-        positions=column([r.num_output_tokens for r in requests], torch.int64),
+        temperature=floats[0],
+        top_k=ints[0],
+        top_p=floats[1],
+        min_p=floats[2],
+        presence_penalty=floats[3],
+        frequency_penalty=floats[4],
+        repetition_penalty=floats[5],
+        seeds=ints[1],
+        positions=ints[2],
         prompt_token_ids=[r.prompt_token_ids for r in requests] if penalised else [],
         output_token_ids=[r.output_token_ids for r in requests] if penalised else [],
         blocked_token_ids=[_blocked(r) for r in requests],

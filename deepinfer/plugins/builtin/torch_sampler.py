@@ -57,6 +57,8 @@ def _flat_index(rows_of_ids: list[list[int]], device: torch.device) -> tuple[tor
 
 
 def _block_tokens(logits: torch.Tensor, blocked_token_ids: list[list[int]]) -> None:
+    if not any(blocked_token_ids):  # the usual case; the index tensors below would cost a host round trip
+        return
     rows, cols = _flat_index(blocked_token_ids, logits.device)
     logits[rows, cols] = -math.inf
 
