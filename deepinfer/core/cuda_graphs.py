@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs: one launch per step instead of hundreds of small kernels.
 
-A graph fixes every shape, so a decode batch is padded to the next captured batch size and its compressed-entry
-candidates to a power-of-two context bucket (``PaddedShape``). A graph is captured the first time its (batch size,
+A graph fixes every shape, so a decode batch is padded to the next captured batch size and its block tables and
+compressed-entry candidates to a power-of-two context bucket (``PaddedShape``). The graph's static inputs are the
+step's host inputs (``StepInputs``); deriving the slots from them is part of the captured work. A graph is captured the first time its (batch size,
 context) bucket comes up, right after an eager run of the same inputs: that run tunes the Triton kernels outside
 the capture and writes exactly the cache rows the replay then rewrites. All graphs share one memory pool, which
 is safe because they never run concurrently and each keeps its own static inputs and outputs. The graph stops at
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.core.forward_batch import ForwardBatch, ForwardBatchBuilder, PaddedShape
+from deepinfer.core.forward_batch import ForwardBatchBuilder, PaddedShape, StepInputs
 from deepinfer.core.kv_cache import KVCache
 from deepinfer.logger import init_logger
 
@@ -29,7 +30,7 @@ MIN_CONTEXT = 256
 @dataclass(slots=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: ForwardBatch
+    inputs: StepInputs
     hidden: torch.Tensor  # the model's output rows for sampling, [padded batch, ...]
 
 
@@ -53,32 +54,35 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= len(scheduled))
         longest = max(start + 1 for _, start, _ in scheduled)
         context = min(max(MIN_CONTEXT, 1 << (longest - 1).bit_length()), self.max_model_len)
-        return PaddedShape(size, {r: -(-context // r) for r in self.ratios}, self.cache.scratch_rows)
+        return PaddedShape(size, -(-context // self.builder.block_size), {r: -(-context // r) for r in self.ratios},
+                           self.cache.scratch_rows)
 
     def logits(self, scheduled) -> torch.Tensor:
         """Next-token logits [len(scheduled), V]."""
         shape = self._shape(scheduled)
+        inputs = self.builder.inputs(scheduled, shape)
         if not self.capture:
-            return self.model.compute_logits(self._forward(self.builder.build(scheduled, shape))[: len(scheduled)])
-        key = (shape.num_tokens, max(shape.candidates.values(), default=0))
+            return self.model.compute_logits(self._forward(inputs)[: len(scheduled)])
+        key = (shape.num_tokens, shape.blocks)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = self._capture(self.builder.build(scheduled, shape))
+            captured = self.graphs[key] = self._capture(inputs.to(self.builder.device))
         else:
-            captured.inputs.copy_(self.builder.build(scheduled, shape, on_host=True))
+            captured.inputs.copy_(inputs)
         captured.graph.replay()
         return self.model.compute_logits(captured.hidden[: len(scheduled)])
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        batch = self.builder.derive(inputs)
         return self.model(batch, self.cache)[batch.logits_rows]
 
-    def _capture(self, batch: ForwardBatch) -> _Captured:
+    def _capture(self, inputs: StepInputs) -> _Captured:
         start = time.perf_counter()
-        self._forward(batch)
+        self._forward(inputs)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._forward(batch)
-        logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", batch.token_ids.shape[0],
-                    {r: m.candidates.shape[1] for r, m in batch.compressed.items()}, time.perf_counter() - start)
-        return _Captured(graph, batch, hidden)
+            hidden = self._forward(inputs)
+        logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", inputs.token_ids.shape[0],
+                    inputs.candidates, time.perf_counter() - start)
+        return _Captured(graph, inputs, hidden)

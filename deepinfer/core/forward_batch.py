@@ -1,8 +1,16 @@
-"""Per-step tensors that tell the model where each token's state lives in the paged caches."""
+"""Per-step tensors that tell the model where each token's state lives in the paged caches.
+
+The host sends little (``StepInputs``): each token's id, position and request, each request's block table per cache
+kind, and which tokens close a compression window. Every slot the model reads or writes (``ForwardBatch``) is
+derived from those on the device (``ForwardBatchBuilder.derive``). So a step's host work and host-to-device bytes
+grow with the block tables (a request's positions / block_size), not with tokens x window or tokens x candidates
+(a long prefill's candidate lists alone are hundreds of MB), and a captured CUDA graph derives the slots itself from
+its static inputs.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -38,30 +46,86 @@ class ForwardBatch:
     # model-specific per-token inputs prepared on the host (the model's ``host_inputs``), first dim T
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def to(self, device) -> "ForwardBatch":
-        def move(obj, names):
-            return [getattr(obj, name).to(device, non_blocking=True) for name in names]
 
-        compressed = {r: CompressedMeta(m.ratio, m.overlap, *move(m, _META_FIELDS)) for r, m in self.compressed.items()}
-        extras = {name: t.to(device, non_blocking=True) for name, t in self.extras.items()}
-        return ForwardBatch(*move(self, _TENSOR_FIELDS), compressed=compressed, extras=extras)
+@dataclass(slots=True)
+class StepInputs:
+    """What the host sends for one step. Tensors (and dicts of tensors) travel; the ints fix the derived shapes."""
 
-    def copy_(self, source: "ForwardBatch") -> None:
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    owner: torch.Tensor  # [T] row of each token's request in ``tables``
+    logits_rows: torch.Tensor  # [B]
+    tables: dict[str, torch.Tensor]  # cache kind -> [R, blocks] block ids, -1 where a request has none
+    close_tokens: dict[int, torch.Tensor]  # ratio -> tokens whose window closes; empty dict: every token (padded)
+    extras: dict[str, torch.Tensor]
+    candidates: dict[int, int]  # ratio -> candidate columns
+    scratch_rows: dict[str, int] | None = None  # padded batches: writes with no slot go to these rows
+
+    def _tensors(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                yield f.name, None, value
+            elif isinstance(value, dict) and value and isinstance(next(iter(value.values())), torch.Tensor):
+                yield from ((f.name, key, t) for key, t in value.items())
+
+    def to(self, device) -> "StepInputs":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved.update({name: dict(moved[name]) for name in ("tables", "close_tokens", "extras")})
+        for name, key, t in self._tensors():
+            t = t.to(device, non_blocking=True)
+            if key is None:
+                moved[name] = t
+            else:
+                moved[name][key] = t
+        return StepInputs(**moved)
+
+    def copy_(self, source: "StepInputs") -> None:
         """Overwrite these tensors in place (the static inputs of a captured graph) with ``source``'s."""
-        pairs = [(getattr(self, n), getattr(source, n)) for n in _TENSOR_FIELDS]
-        for ratio, meta in self.compressed.items():
-            pairs += [(getattr(meta, n), getattr(source.compressed[ratio], n)) for n in _META_FIELDS]
-        pairs += [(t, source.extras[name]) for name, t in self.extras.items()]
-        for target, value in pairs:
+        for (_, _, target), (_, _, value) in zip(self._tensors(), source._tensors(), strict=True):
             target.copy_(value, non_blocking=True)
 
 
-_TENSOR_FIELDS = ("token_ids", "positions", "swa_slots", "window", "logits_rows")
-_META_FIELDS = ("state_slots", "candidates", "close_rows", "close_slots", "close_positions")
+@dataclass(slots=True)
+class PaddedShape:
+    """The fixed shapes of a captured decode graph: ``num_tokens`` rows (one per request, padded ones own an empty
+    block-table row), ``blocks`` table columns and ``candidates`` columns per compression ratio. Padded tokens
+    attend to nothing and write their rows to each pool's scratch row (``KVCache.scratch_rows``), as do real
+    tokens whose compression window does not close in this step."""
+
+    num_tokens: int
+    blocks: int
+    candidates: dict[int, int]
+    scratch_rows: dict[str, int]
+
+    def pad(self, inputs: StepInputs) -> StepInputs:
+        if inputs.logits_rows.shape[0] != inputs.token_ids.shape[0]:
+            raise ValueError("a padded (CUDA-graph) batch must sample every token: decode steps only")
+        n = self.num_tokens
+        tables = {}
+        for kind, table in inputs.tables.items():
+            table = table[:, : self.blocks]  # blocks past the context bucket hold no position this step reads
+            tables[kind] = _pad_rows(torch.nn.functional.pad(table, (0, self.blocks - table.shape[1]), value=-1), n, -1)
+        return StepInputs(
+            token_ids=_pad_rows(inputs.token_ids, n, 0),
+            positions=_pad_rows(inputs.positions, n, 0),
+            owner=torch.arange(n),
+            logits_rows=torch.arange(n),
+            tables=tables,
+            close_tokens={},
+            extras={name: _pad_rows(t, n, 0) for name, t in inputs.extras.items()},  # zeros: padded rows are ignored
+            candidates=self.candidates,
+            scratch_rows=self.scratch_rows,
+        )
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
 
 
 class ForwardBatchBuilder:
-    """Turns the scheduled (request, first position, token count) triples into slot tensors."""
+    """Turns the scheduled (request, first position, token count) triples into ``StepInputs`` on the host, and
+    those into slot tensors (``derive``) wherever they are."""
 
     def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device,
                  token_history: int = 0, host_inputs=None):
@@ -75,49 +139,36 @@ class ForwardBatchBuilder:
         self.rows_per_block = rows_per_block
         self.device = device
 
-    def _tables(self, requests, kind: str) -> torch.Tensor:
-        rows = [r.tables.get(kind, ()) for r in requests]
-        width = max(1, max(map(len, rows)))
-        # one tensor from padded lists: per-request tensors cost more host time than the rest of the step's build
-        return torch.tensor([[*blocks, *(-1,) * (width - len(blocks))] for blocks in rows], dtype=torch.int64)
+    def build(self, scheduled: list[tuple[object, int, int]]) -> ForwardBatch:
+        inputs = self.inputs(scheduled)
+        return self.derive(inputs if self.device is None else inputs.to(self.device))
 
-    def _slots(self, table: torch.Tensor, kind: str, owner: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Row slot of ``positions`` (any shape, paired with ``owner``); -1 for positions < 0."""
-        valid = positions >= 0
-        pos = positions.clamp(min=0)
-        block = table[owner, (pos // self.block_size).clamp(max=table.shape[1] - 1)]
-        rows = self.rows_per_block[kind]
-        slot = block * rows + (pos % self.block_size) // (self.block_size // rows)
-        return torch.where(valid & (block >= 0), slot, -1)
-
-    def build(self, scheduled: list[tuple[object, int, int]], padded: "PaddedShape | None" = None,
-              on_host: bool = False) -> ForwardBatch:
-        """Slot tensors for the step; with ``padded``, shaped for a captured CUDA graph (see ``PaddedShape``).
-        ``on_host`` leaves them in host memory (for a copy straight into a graph's inputs)."""
+    # -- host side ----------------------------------------------------------------------------
+    def inputs(self, scheduled: list[tuple[object, int, int]], padded: PaddedShape | None = None) -> StepInputs:
         requests = [r for r, _, _ in scheduled]
         positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
         owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
         token_ids = torch.tensor([t for r, start, n in scheduled for t in r.token_ids[start : start + n]])
         last_rows = torch.cumsum(torch.tensor([n for _, _, n in scheduled]), 0) - 1
         wants_logits = torch.tensor([start + n == len(r.token_ids) for r, start, n in scheduled])
-
-        swa = self._tables(requests, "swa")
-        window_pos = positions.unsqueeze(1) - self.window + 1 + torch.arange(self.window)
-        batch = ForwardBatch(
+        ends = positions + 1
+        inputs = StepInputs(
             token_ids=token_ids,
             positions=positions,
-            swa_slots=self._slots(swa, "swa", owner, positions),
-            window=self._slots(swa, "swa", owner.unsqueeze(1), window_pos),
+            owner=owner,
             logits_rows=last_rows[wants_logits],
+            tables={kind: self._tables(requests, kind) for kind in self.rows_per_block},
+            close_tokens={r: (ends % r == 0).nonzero().flatten() for r in self.ratios},
+            extras=self.host_inputs(token_ids, self._history(scheduled)) if self.token_history else {},
+            candidates={r: int((ends // r).max()) for r in self.ratios},
         )
-        for ratio, overlap in self.ratios.items():
-            width = None if padded is None else padded.candidates[ratio]
-            batch.compressed[ratio] = self._compressed(requests, owner, positions, ratio, overlap, width)
-        if self.token_history:
-            batch.extras = self.host_inputs(token_ids, self._history(scheduled))
-        if padded is not None:
-            batch = padded.pad(batch)
-        return batch if on_host or self.device is None else batch.to(self.device)
+        return inputs if padded is None else padded.pad(inputs)
+
+    def _tables(self, requests, kind: str) -> torch.Tensor:
+        rows = [r.tables.get(kind, ()) for r in requests]
+        width = max(1, max(map(len, rows)))
+        # one tensor from padded lists: per-request tensors cost more host time than the rest of the step
+        return torch.tensor([[*blocks, *(-1,) * (width - len(blocks))] for blocks in rows], dtype=torch.int64)
 
     def _history(self, scheduled) -> torch.Tensor:
         h = self.token_history
@@ -128,78 +179,68 @@ class ForwardBatchBuilder:
             windows.append(torch.tensor(ids, dtype=torch.int64).unfold(0, h, 1))
         return torch.cat(windows)
 
-    def _compressed(self, requests, owner, positions, ratio: int, overlap: int, width: int | None) -> CompressedMeta:
-        """Without ``width`` only the windows closing in this step are listed; with it, every token gets a close
-        row (-1 slots where its window does not close) and ``width`` candidate columns, so shapes stay fixed."""
+    # -- wherever the inputs are (the device; inside a captured graph) --------------------------
+    def derive(self, inputs: StepInputs) -> ForwardBatch:
+        positions, owner = inputs.positions, inputs.owner
+        swa = inputs.tables["swa"]
+        window_pos = positions.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=positions.device)
+        batch = ForwardBatch(
+            token_ids=inputs.token_ids,
+            positions=positions,
+            swa_slots=self._writes(inputs, "swa", self._slots(swa, "swa", owner, positions)),
+            window=self._slots(swa, "swa", owner.unsqueeze(1), window_pos),
+            logits_rows=inputs.logits_rows,
+            extras=inputs.extras,
+        )
+        for ratio, overlap in self.ratios.items():
+            batch.compressed[ratio] = self._compressed(inputs, ratio, overlap)
+        return batch
+
+    def _slots(self, table: torch.Tensor, kind: str, owner: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Row slot of ``positions`` (any shape, paired with ``owner``); -1 for positions < 0."""
+        valid = positions >= 0
+        pos = positions.clamp(min=0)
+        block = table[owner, (pos // self.block_size).clamp(max=table.shape[1] - 1)]
+        rows = self.rows_per_block[kind]
+        slot = block * rows + (pos % self.block_size) // (self.block_size // rows)
+        return torch.where(valid & (block >= 0), slot, -1)
+
+    @staticmethod
+    def _writes(inputs: StepInputs, kind: str, slots: torch.Tensor) -> torch.Tensor:
+        """Slots written to: in a padded batch, the ones without a row go to the pool's scratch row."""
+        return slots if inputs.scratch_rows is None else torch.where(slots < 0, inputs.scratch_rows[kind], slots)
+
+    def _compressed(self, inputs: StepInputs, ratio: int, overlap: int) -> CompressedMeta:
+        """Unpadded, only the windows closing in this step are listed; padded, every token gets a close row (-1
+        slots where its window does not close), so shapes stay fixed."""
+        positions, owner = inputs.positions, inputs.owner
+        device = positions.device
         comp_kind, state_kind = f"comp{ratio}", f"state{ratio}"
-        comp = self._tables(requests, comp_kind)
+        comp = inputs.tables[comp_kind]
         visible = (positions + 1) // ratio
-        entries = torch.arange(int(visible.max()) if width is None else width)
+        entries = torch.arange(inputs.candidates[ratio], device=device)
         entry_pos = torch.where(entries < visible.unsqueeze(1), entries * ratio, -1)
         closing = (positions + 1) % ratio == 0
-        if width is None:
-            close_tokens = closing.nonzero().flatten()
-        else:
-            close_tokens = torch.arange(len(positions))
+        close_tokens = inputs.close_tokens.get(ratio)
+        if close_tokens is None:
+            close_tokens = torch.arange(positions.shape[0], device=device)
         window_ids = torch.where(closing, visible - 1, -1)[close_tokens]
         close_owner = owner[close_tokens]
-        row_pos = (window_ids - overlap + 1).unsqueeze(1) * ratio + torch.arange(overlap * ratio)
+        row_pos = (window_ids - overlap + 1).unsqueeze(1) * ratio + torch.arange(overlap * ratio, device=device)
         row_pos = torch.where(window_ids.unsqueeze(1) >= 0, row_pos, -1)
         if overlap:
-            state = self._tables(requests, state_kind)
-            state_slots = self._slots(state, state_kind, owner, positions)
+            state = inputs.tables[state_kind]
+            state_slots = self._writes(inputs, state_kind, self._slots(state, state_kind, owner, positions))
             close_rows = self._slots(state, state_kind, close_owner.unsqueeze(1), row_pos)
         else:
-            state_slots, close_rows = torch.empty(0, dtype=torch.int64), row_pos[:, :0]
+            state_slots, close_rows = torch.empty(0, dtype=torch.int64, device=device), row_pos[:, :0]
+        close_slots = self._slots(comp, comp_kind, close_owner, window_ids * ratio)
         return CompressedMeta(
             ratio=ratio,
             overlap=overlap,
             state_slots=state_slots,
             candidates=self._slots(comp, comp_kind, owner.unsqueeze(1), entry_pos),
             close_rows=close_rows,
-            close_slots=self._slots(comp, comp_kind, close_owner, window_ids * ratio),
+            close_slots=self._writes(inputs, comp_kind, close_slots),
             close_positions=window_ids.clamp(min=0) * ratio,
-        )
-
-
-def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
-
-
-@dataclass(slots=True)
-class PaddedShape:
-    """The fixed shapes of a captured decode graph, and how a smaller batch is padded to them.
-
-    Padded tokens attend to nothing and write their rows to each pool's scratch row (``KVCache.scratch_rows``),
-    as do real tokens whose compression window does not close in this step.
-    """
-
-    num_tokens: int
-    candidates: dict[int, int]  # compression ratio -> candidate columns
-    scratch_rows: dict[str, int]  # cache kind -> its scratch row
-
-    def pad(self, batch: ForwardBatch) -> ForwardBatch:
-        if batch.logits_rows.shape[0] != batch.token_ids.shape[0]:
-            raise ValueError("a padded (CUDA-graph) batch must sample every token: decode steps only")
-        n = self.num_tokens
-        compressed = {}
-        for ratio, m in batch.compressed.items():
-            comp, state = self.scratch_rows[f"comp{ratio}"], self.scratch_rows.get(f"state{ratio}", 0)
-            compressed[ratio] = CompressedMeta(
-                ratio=m.ratio,
-                overlap=m.overlap,
-                state_slots=_pad_rows(m.state_slots, n, state) if m.overlap else m.state_slots,
-                candidates=_pad_rows(m.candidates, n, -1),
-                close_rows=_pad_rows(m.close_rows, n, -1),
-                close_slots=_pad_rows(torch.where(m.close_slots < 0, comp, m.close_slots), n, comp),
-                close_positions=_pad_rows(m.close_positions, n, 0),
-            )
-        return ForwardBatch(
-            token_ids=_pad_rows(batch.token_ids, n, 0),
-            positions=_pad_rows(batch.positions, n, 0),
-            swa_slots=_pad_rows(batch.swa_slots, n, self.scratch_rows["swa"]),
-            window=_pad_rows(batch.window, n, -1),
-            logits_rows=torch.arange(n),
-            compressed=compressed,
-            extras={name: _pad_rows(t, n, 0) for name, t in batch.extras.items()},  # zeros: padded tokens are ignored
         )
