@@ -12,10 +12,10 @@ w1 and w3 share one launch: each block reads its activation tile once for both w
 ``swiglu(gate, up)`` (``deepinfer.core.ops``). w2 reads those rows in expert order and writes each result to its
 (token, slot) row, so the top-k sum is a plain reduction rather than a scatter.
 
-MXFP4: Hopper has no FP4 tensor cores, so each 32-column chunk of e2m1 codes is decoded to bf16 (exact), multiplied
-by the FP8-rounded activations (exact in bf16 too) on the bf16 tensor cores with fp32 accumulation, and added with
-its two power-of-two scales: the activation's (one per ``activation_block``) and the weight's (one per 32). So the
-result is the reference's up to fp32 summation order.
+MXFP4: Hopper has no FP4 tensor cores, so each 64-column tile of e2m1 codes is decoded (bit manipulation, no float
+math) and multiplied by its weight scales (one power of two per 32), which is exact in bf16; the FP8-rounded
+activations are multiplied by theirs (one per ``activation_block``), exact in bf16 too. One bf16 MMA per tile with
+fp32 accumulation then gives the reference's result up to fp32 summation order.
 
 Float weights: the reference (``project``) multiplies in fp32. Here activations are rounded to the weight's dtype
 for its tensor cores, with fp32 accumulation; for bf16/fp16 weights that rounds SwiGLU's fp32 output (and ``x`` if
@@ -47,24 +47,24 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _e2m1(code):
-    """e2m1 value of a 4-bit code (bit 3 is the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    """fp32 value of 4-bit e2m1 codes (bit 3 the sign; 0, 0.5, 1, 1.5, 2, 3, 4, 6), built as bits: no float math."""
     exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    mantissa = code & 1
+    magnitude = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
+    return (magnitude | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _fp4_chunk(a, w_ptrs, s_ptrs, n_ok, NATIVE: tl.constexpr):
-    """``a`` [BM, 32] (FP8 values in fp32) times one 32-column chunk of packed weight rows, times the weight's scale."""
-    packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0).to(tl.int32) & 0xFF
-    w = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (packed.shape[0], 32))  # low nibble: even column
-    if NATIVE:  # both operands are exact in bf16: its tensor cores, fp32 accumulation
-        part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    else:  # Triton's interpreter has no bf16 arithmetic
-        part = tl.dot(a, tl.trans(w))
-    exponent = tl.load(s_ptrs, mask=n_ok, other=127)
-    return part * tl.exp2((exponent.to(tl.int32) - 127).to(tl.float32))[None, :]  # e8m0: the byte is the exponent
+def _fp4_tile(acc, a, w_ptrs, s_ptrs, n_ok, BN: tl.constexpr, BK: tl.constexpr, NATIVE: tl.constexpr):
+    """``acc`` plus ``a`` [BM, BK] (already scaled, exact in bf16) times BK packed columns of BN weight rows, each
+    32 of them decoded and scaled by their e8m0 exponent first (exact in bf16 too): one MMA per tile."""
+    packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0).to(tl.int32) & 0xFF  # [BN, BK/2]
+    w = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (BN, BK // 32, 32))  # low nibble: even column
+    exponent = tl.load(s_ptrs, mask=n_ok[:, None], other=127).to(tl.int32)  # [BN, BK/32]
+    w = tl.reshape(w * tl.exp2((exponent - 127).to(tl.float32))[:, :, None], (BN, BK))
+    if NATIVE:  # bf16 tensor cores, fp32 accumulation
+        return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    return tl.dot(a, tl.trans(w), acc)  # Triton's interpreter has no bf16 arithmetic
 
 
 @triton.jit
@@ -95,7 +95,8 @@ def _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out,
 def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, out_rows_ptr,
                         block_expert_ptr, block_start_ptr, block_rows_ptr, N, limit, stride_a, stride_sa, stride_we,
                         stride_wn, stride_swe, stride_swn, stride_out, K: tl.constexpr, ACT_BLOCK: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr, NATIVE: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
+                        NATIVE: tl.constexpr):
     """out = a W^T for one block of rows and BN columns; with SWIGLU, swiglu(a W^T, a V^T)."""
     block = tl.program_id(0)
     count = tl.load(block_rows_ptr + block)
@@ -108,17 +109,20 @@ def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr,
     rows = tl.load(a_rows_ptr + start + offs_m, mask=m_ok, other=0)  # which row of ``a`` each assignment reads
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
-    w_tile = expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
-    s_tile = expert * stride_swe + offs_n * stride_swn
+    w_tile = expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
+    s_tile = expert * stride_swe + offs_n[:, None] * stride_swn + tl.arange(0, BK // 32)[None, :]
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
-    for chunk in range(K // 32):
-        k = chunk * 32 + tl.arange(0, 32)
+    for tile in range(K // BK):
+        k = tile * BK + tl.arange(0, BK)
         a = tl.load(a_ptr + rows[:, None] * stride_a + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        sa = tl.load(sa_ptr + rows * stride_sa + (chunk * 32) // ACT_BLOCK, mask=m_ok, other=0.0)[:, None]
-        acc += _fp4_chunk(a, w_ptr + w_tile + chunk * 16, sw_ptr + s_tile + chunk, n_ok, NATIVE) * sa
+        # the activation's power-of-two scale (one per ACT_BLOCK columns) goes in first: exact, like the weight's
+        a *= tl.load(sa_ptr + rows[:, None] * stride_sa + k[None, :] // ACT_BLOCK, mask=m_ok[:, None], other=0.0)
+        acc = _fp4_tile(acc, a, w_ptr + w_tile + tile * (BK // 2), sw_ptr + s_tile + tile * (BK // 32), n_ok, BN,
+                        BK, NATIVE)
         if SWIGLU:
-            up += _fp4_chunk(a, v_ptr + w_tile + chunk * 16, sv_ptr + s_tile + chunk, n_ok, NATIVE) * sa
+            up = _fp4_tile(up, a, v_ptr + w_tile + tile * (BK // 2), sv_ptr + s_tile + tile * (BK // 32), n_ok, BN,
+                           BK, NATIVE)
     _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
 
 
@@ -189,7 +193,7 @@ def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, 
     _fp4_experts_kernel[grid](aq, sa, a_rows, w, v, scales, v_scale, out, out_rows, *blocks, n, limit, aq.stride(0),
                               sa.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1),
                               out.stride(0), K=2 * w.shape[2], ACT_BLOCK=activation_block, BLOCK_M=bm, BN=bn,
-                              SWIGLU=swiglu, NATIVE=a.device.type == "cuda")
+                              BK=64 if w.shape[2] % 32 == 0 else 32, SWIGLU=swiglu, NATIVE=a.device.type == "cuda")
     return out
 
 
