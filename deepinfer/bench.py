@@ -56,6 +56,7 @@ def _deepinfer(args, batch: int):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
+    generate.step_metrics = llm.engine.step_metrics
     return generate
 
 
@@ -133,7 +134,11 @@ def _latency(args, vocab: int, engine: str) -> dict:
 
     for i in range(args.num_iters_warmup):
         generate(batch(-1 - i), args.output_len)
+    metrics = getattr(generate, "step_metrics", None)
+    if metrics is not None:
+        metrics.reset()
     latencies = [_timed(generate, batch(i), args.output_len)[0] for i in range(args.num_iters)]
+    breakdown = {"steps_per_batch": metrics.steps / args.num_iters, **metrics.per_step_ms()} if metrics else None
     prefill = [_timed(generate, batch(args.num_iters + i), 1)[0] for i in range(args.num_iters)]
     average, prefill_average = sum(latencies) / len(latencies), sum(prefill) / len(prefill)
     quantiles = torch.quantile(torch.tensor(latencies, dtype=torch.float64),
@@ -146,6 +151,7 @@ def _latency(args, vocab: int, engine: str) -> dict:
         "prefill_latency": prefill_average,
         "prefill_tokens_per_second": args.batch_size * args.input_len / prefill_average,
         "decode_tokens_per_second": decode_tokens / (average - prefill_average) if decode_tokens else None,
+        **({"step_ms": breakdown} if breakdown else {}),
     }
 
 

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from deepinfer import LLM
+from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main
 from deepinfer.testing.flash_fixtures import write_fixture
 
@@ -53,3 +53,15 @@ def test_v41flash8l_fixture_loads_dummy_released_formats(tmp_path):
     assert model.layers[3].attn.wq_b.weight.dtype == torch.float8_e4m3fn
     outputs = llm.generate([list(range(3, 300))], use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) > 0
+
+
+def test_step_metrics_account_for_every_step(tiny_v4_checkpoint):
+    llm = LLM(str(tiny_v4_checkpoint), dtype="float32", device="cpu")
+    metrics = llm.engine.step_metrics
+    metrics.reset()
+    llm.generate([[5, 6, 7], list(range(3, 40))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    per_step = metrics.per_step_ms()
+    assert metrics.steps >= 6  # a prefill step, then one decode step per further token
+    assert all(per_step[phase] > 0 for phase in ("schedule", "forward", "sample", "outputs"))
+    assert per_step["device"] == 0  # no CUDA events on a CPU

@@ -37,10 +37,10 @@ def _padded_eagerly(llm) -> int:
     calls = 0
     logits = engine.graphs.logits
 
-    def counted(scheduled):
+    def counted(scheduled, **kwargs):
         nonlocal calls
         calls += 1
-        return logits(scheduled)
+        return logits(scheduled, **kwargs)
 
     engine.graphs.logits = counted
     return lambda: calls

@@ -57,10 +57,11 @@ class DecodeGraphs:
         return PaddedShape(size, -(-context // self.builder.block_size), {r: -(-context // r) for r in self.ratios},
                            self.cache.scratch_rows)
 
-    def logits(self, scheduled) -> torch.Tensor:
-        """Next-token logits [len(scheduled), V]."""
+    def logits(self, scheduled, on_launch=lambda: None) -> torch.Tensor:
+        """Next-token logits [len(scheduled), V]; ``on_launch`` is called once the host inputs are ready."""
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape)
+        on_launch()
         if not self.capture:
             return self.model.compute_logits(self._forward(inputs)[: len(scheduled)])
         key = (shape.num_tokens, shape.blocks)

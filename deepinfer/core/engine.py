@@ -20,6 +20,7 @@ from deepinfer.core.output_processor import OutputProcessor
 from deepinfer.core.request import Request
 from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.scheduler import Scheduler, SchedulerLimits
+from deepinfer.core.step_metrics import StepClock, StepMetrics
 from deepinfer.core.tokenizer import load_tokenizer
 from deepinfer.logger import init_logger
 from deepinfer.models.loader import load_model
@@ -78,6 +79,8 @@ class LLMEngine:
         self._refuse_unsupported_features()
         self._build_caches()
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
+        self.step_metrics = StepMetrics()
+        self._clock = StepClock(self.step_metrics, self.device)
 
     def _refuse_unsupported_features(self) -> None:
         """A plugin's offer this engine cannot honour is an error, never silently dropped."""
@@ -166,22 +169,32 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one forward pass; returns the requests that finished in it."""
+        clock = self._clock
+        clock.start()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        self.step_metrics.steps += 1
+        clock.lap("schedule")
         sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
         if self.graphs is not None and self.graphs.fits(scheduled):
-            logits = self.graphs.logits(scheduled)
+            logits = self.graphs.logits(scheduled, on_launch=clock.device_start)
         else:
+            if sampling_requests:
+                clock.device_start()
             batch = self.batch_builder.build(scheduled)
             streams = self.model(batch, self.cache)
             logits = self.model.compute_logits(streams[batch.logits_rows]) if sampling_requests else None
         self.scheduler.step_done(scheduled)
+        clock.lap("forward")
         if not sampling_requests:
             return []
         sampling = build_sampling_batch(sampling_requests, self.model_config.vocab_size, self.device)
         sampled = self.sampler.sample(logits, sampling)
+        clock.lap("sample")
+        clock.device_end_and_wait()
         finished = self.outputs.append(sampling_requests, sampled)
         for request in finished:
             self.scheduler.finish(request)
+        clock.lap("outputs")
         return finished

@@ -1,0 +1,65 @@
+"""Where the engine's step time goes, summed over steps: the host phases and the device time they wait for."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(slots=True)
+class StepMetrics:
+    """Seconds summed over ``steps``. Host phases are wall times of the engine's own code: ``schedule``,
+    ``forward`` (preparing the inputs and launching the forward pass; on a CPU, running it), ``sample`` (launching
+    the sampler), ``wait`` (blocked until the device has the sampled tokens) and ``outputs`` (detokenizing, stop
+    checks). ``device`` is the GPU time from the forward pass's first kernel to the sampler's last (CUDA events;
+    only for steps that sample). With host and device strictly alternating, device idle time per step is about
+    ``schedule + forward + sample + outputs`` minus what the device spends still running while the host launches."""
+
+    steps: int = 0
+    schedule: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    wait: float = 0.0
+    outputs: float = 0.0
+    device: float = 0.0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0 if f.name == "steps" else 0.0)
+
+    def per_step_ms(self) -> dict[str, float]:
+        steps = max(self.steps, 1)
+        return {f.name: getattr(self, f.name) * 1e3 / steps for f in fields(self) if f.name != "steps"}
+
+
+class StepClock:
+    """Times one step's phases into a ``StepMetrics`` (device time through a reused pair of CUDA events)."""
+
+    def __init__(self, metrics: StepMetrics, device: torch.device):
+        self.metrics = metrics
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.last = 0.0
+
+    def start(self) -> None:
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        setattr(self.metrics, phase, getattr(self.metrics, phase) + now - self.last)
+        self.last = now
+
+    def device_start(self) -> None:
+        if self.events:
+            self.events[0].record()
+
+    def device_end_and_wait(self) -> None:
+        """Blocks until the device is done (timed as ``wait``) and adds its time for this step."""
+        if self.events:
+            self.events[1].record()
+            self.events[1].synchronize()
+            self.metrics.device += self.events[0].elapsed_time(self.events[1]) / 1e3
+        self.lap("wait")
