@@ -82,8 +82,12 @@ class DecodeGraphs:
         self._forward(inputs)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._forward(inputs)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self._forward(inputs)
+        except RuntimeError as exc:  # a backend that syncs or allocates on the host despite its graph_safe flag
+            raise RuntimeError(f"capturing the decode CUDA graph (batch {inputs.token_ids.shape[0]}) failed: {exc}. "
+                               "Pass enforce_eager=True to run every step eagerly, and report it") from exc
         logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", inputs.token_ids.shape[0],
                     inputs.candidates, time.perf_counter() - start)
         return _Captured(graph, inputs, hidden)
