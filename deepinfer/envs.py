@@ -71,6 +71,9 @@ class Envs:
     DEEPINFER_BATCH_INVARIANT: bool = _variable(
         "bool", False, "Outputs stay identical whatever else shares the batch.",
     )
+    DEEPINFER_ASYNC_SCHEDULING: bool = _variable(
+        "bool", True, "Schedule and launch the next step before the host has the current step's tokens (off: wait).",
+    )
     DEEPINFER_LOGGING_LEVEL: str = _variable(
         "choice", "INFO", "Level of the `deepinfer` loggers.",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -57,19 +57,23 @@ class DecodeGraphs:
         return PaddedShape(size, -(-context // self.builder.block_size), {r: -(-context // r) for r in self.ratios},
                            self.cache.scratch_rows)
 
-    def logits(self, scheduled, on_launch=lambda: None) -> torch.Tensor:
-        """Next-token logits [len(scheduled), V]; ``on_launch`` is called once the host inputs are ready."""
+    def logits(self, scheduled, before_launch=lambda token_ids: None) -> torch.Tensor:
+        """Next-token logits [len(scheduled), V]. ``before_launch`` gets the step's input token ids where the
+        forward pass will read them, before it runs (asynchronous scheduling completes them there)."""
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape)
-        on_launch()
         if not self.capture:
+            before_launch(inputs.token_ids)
             return self.model.compute_logits(self._forward(inputs)[: len(scheduled)])
         key = (shape.num_tokens, shape.blocks)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = self._capture(inputs.to(self.builder.device))
+            inputs = inputs.to(self.builder.device)
+            before_launch(inputs.token_ids)
+            captured = self.graphs[key] = self._capture(inputs)
         else:
             captured.inputs.copy_(inputs)
+            before_launch(captured.inputs.token_ids)
         captured.graph.replay()
         return self.model.compute_logits(captured.hidden[: len(scheduled)])
 

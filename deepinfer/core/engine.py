@@ -14,6 +14,7 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.cuda_graphs import DecodeGraphs
 from deepinfer.core.feature_flags import check_feature_plugins
 from deepinfer.core.forward_batch import ForwardBatchBuilder
+from deepinfer.core.inflight import InFlight
 from deepinfer.core.kv_cache import KVCache, bytes_per_block
 from deepinfer.core.model_source import resolve_model_dir
 from deepinfer.core.output_processor import OutputProcessor
@@ -81,6 +82,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
         self.step_metrics = StepMetrics()
         self._clock = StepClock(self.step_metrics, self.device)
+        self.async_scheduling = env.DEEPINFER_ASYNC_SCHEDULING
+        self._inflight: InFlight | None = None
 
     def _refuse_unsupported_features(self) -> None:
         """A plugin's offer this engine cannot honour is an error, never silently dropped."""
@@ -164,37 +167,70 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Run one forward pass; returns the requests that finished in it."""
+        """Schedule and launch one forward pass; returns the requests found finished in this call.
+
+        With asynchronous scheduling the host resolves the previous step's tokens (detokenizing, stop checks) while
+        the device runs this one, whose inputs take those tokens on the device (``core/inflight.py``); otherwise
+        it waits for this step's tokens before returning."""
         clock = self._clock
         clock.start()
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
-        self.step_metrics.steps += 1
         clock.lap("schedule")
+        finished = []
+        if self._inflight is not None and (not scheduled or self._needs_host_tokens(scheduled)):
+            finished = self._resolve()
+            scheduled = [s for s in scheduled if not s[0].finished]
+        if not scheduled:
+            return finished
+        self.step_metrics.steps += 1
         sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
+        fill = (lambda token_ids: self._inflight.fill(scheduled, token_ids)) if self._inflight else (lambda _: None)
+
+        started = None
+
+        def launch(token_ids):
+            nonlocal started
+            fill(token_ids)
+            started = clock.event()
+
         if self.graphs is not None and self.graphs.fits(scheduled):
-            logits = self.graphs.logits(scheduled, on_launch=clock.device_start)
+            logits = self.graphs.logits(scheduled, before_launch=launch)
         else:
-            if sampling_requests:
-                clock.device_start()
             batch = self.batch_builder.build(scheduled)
+            launch(batch.token_ids)
             streams = self.model(batch, self.cache)
             logits = self.model.compute_logits(streams[batch.logits_rows]) if sampling_requests else None
-        self.scheduler.step_done(scheduled)
         clock.lap("forward")
-        if not sampling_requests:
-            return []
-        sampling = build_sampling_batch(sampling_requests, self.model_config.vocab_size, self.device)
-        sampled = self.sampler.sample(logits, sampling)
-        clock.lap("sample")
-        clock.device_end_and_wait()
-        finished = self.outputs.append(sampling_requests, sampled)
+        launched = None
+        if sampling_requests:
+            sampling = build_sampling_batch(sampling_requests, self.model_config.vocab_size, self.device)
+            launched = InFlight.launch(sampling_requests, self.sampler.sample(logits, sampling), started, clock)
+            clock.lap("sample")
+        if self._inflight is not None:  # the previous step's tokens, while the device runs this one
+            finished += self._resolve()
+        self.scheduler.step_done([s for s in scheduled if not s[0].finished])
+        self._inflight = launched
+        if launched is not None and not self.async_scheduling:
+            finished += self._resolve()
+        return finished
+
+    def _needs_host_tokens(self, scheduled) -> bool:
+        """Whether this step's inputs need the previous step's tokens on the host: Engram's hashes do, and so do
+        repetition/frequency/presence penalties, which count them."""
+        if self.model.token_history:
+            return True
+        return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                   for p in (r.params for r, _, _ in scheduled))
+
+    def _resolve(self) -> list[Request]:
+        inflight, self._inflight = self._inflight, None
+        host = inflight.wait(self._clock)
+        finished = self.outputs.resolve(inflight.requests, inflight.positions, host)
         for request in finished:
             self.scheduler.finish(request)
-        clock.lap("outputs")
+        self._clock.lap("outputs")
         return finished

@@ -26,22 +26,27 @@ class OutputProcessor:
             skip_special_tokens=params.skip_special_tokens,
         )
 
-    def append(self, requests: list[Request], sampled: SamplerOutput) -> list[Request]:
+    def resolve(self, requests: list[Request], positions: list[int], sampled: SamplerOutput) -> list[Request]:
+        """Puts each request's sampled token at ``positions`` (its placeholder), records logprobs and text, and
+        returns the requests that finished; a finished one loses any later placeholder (a step already in flight)."""
         token_ids = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist()
         top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
         top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         now = time.monotonic()
         finished = []
-        for row, request in enumerate(requests):
+        for row, (request, position) in enumerate(zip(requests, positions)):
+            if request.finished:  # found finished one step earlier, while this step was already running
+                continue
             token = token_ids[row]
-            request.token_ids.append(token)
+            request.token_ids[position] = token
             request.cumulative_logprob += logprobs[row]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             if request.logprobs is not None:
                 request.logprobs.append(self._logprobs(request, token, logprobs[row], top_ids, top_values, row))
-            if self._check_stop(request, token):
+            if self._check_stop(request, token, position + 1):
+                del request.token_ids[position + 1 :]
                 request.metrics.finished_time = now
                 request.metrics.num_generated_tokens = request.num_output_tokens
                 finished.append(request)
@@ -56,8 +61,9 @@ class OutputProcessor:
             entry[token] = Logprob(logprob, None, self.tokenizer.decode([token]))
         return entry
 
-    def _check_stop(self, request: Request, token: int) -> bool:
-        """Sets ``finish_reason``/``stop_reason`` and returns True when the request is done."""
+    def _check_stop(self, request: Request, token: int, length: int) -> bool:
+        """Sets ``finish_reason``/``stop_reason`` and returns True when the request is done with ``length`` tokens
+        (a step may already be running with a placeholder after them)."""
         params = request.params
         # min_tokens is enforced by the sampler, which cannot pick EOS or a stop token before it.
         if not params.ignore_eos and token in self.eos_token_ids:
@@ -67,7 +73,7 @@ class OutputProcessor:
         step = request.detokenizer.update([token])
         if step.stop_string is not None:
             return self._finish(request, "stop", step.stop_string)
-        if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
+        if length - len(request.prompt_token_ids) >= params.max_tokens or length >= self.max_model_len:
             return self._finish(request, "length", None)
         return False
 

@@ -35,13 +35,11 @@ class StepMetrics:
 
 
 class StepClock:
-    """Times one step's phases into a ``StepMetrics`` (device time through a reused pair of CUDA events)."""
+    """Times a step's host phases into a ``StepMetrics``; device time comes from CUDA events the step records."""
 
     def __init__(self, metrics: StepMetrics, device: torch.device):
         self.metrics = metrics
-        self.events = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.cuda = device.type == "cuda"
         self.last = 0.0
 
     def start(self) -> None:
@@ -52,14 +50,17 @@ class StepClock:
         setattr(self.metrics, phase, getattr(self.metrics, phase) + now - self.last)
         self.last = now
 
-    def device_start(self) -> None:
-        if self.events:
-            self.events[0].record()
+    def event(self) -> torch.cuda.Event | None:
+        """A recorded timing event on the current stream (None off CUDA)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def device_end_and_wait(self) -> None:
-        """Blocks until the device is done (timed as ``wait``) and adds its time for this step."""
-        if self.events:
-            self.events[1].record()
-            self.events[1].synchronize()
-            self.metrics.device += self.events[0].elapsed_time(self.events[1]) / 1e3
+    def wait(self, started: torch.cuda.Event | None, done: torch.cuda.Event | None) -> None:
+        """Blocks until ``done`` (timed as ``wait``) and adds the device time from ``started`` to it."""
+        if done is not None:
+            done.synchronize()
+            self.metrics.device += started.elapsed_time(done) / 1e3
         self.lap("wait")

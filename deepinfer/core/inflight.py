@@ -1,0 +1,66 @@
+"""A step whose sampled tokens are still on the device (asynchronous scheduling).
+
+When a step is launched, each sampling request gets a placeholder token at the end of ``token_ids`` and the sampled
+values start copying to host memory without waiting. The next step is scheduled and launched at once: its input
+tokens that are still placeholders are filled on the device from this step's tokens (``fill``), since positions,
+block tables and slots never depend on a token's value. Only then does the host wait for this step's copies and
+resolve the placeholders: detokenizing, stop checks, logprobs (``OutputProcessor``). A request found finished then
+has one more step in flight; its token there is dropped, and nothing it wrote is read again (its blocks past the
+last full one are never published to the prefix cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.core.request import Request
+from deepinfer.plugins.interfaces import SamplerOutput
+
+PLACEHOLDER = -1
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+@dataclass(slots=True)
+class InFlight:
+    requests: list[Request]
+    positions: list[int]  # where each request's placeholder sits in its token_ids
+    tokens: torch.Tensor  # [B] on the device: where the next step's placeholder inputs come from
+    host: SamplerOutput  # the same outputs in host memory, complete once ``ready`` is
+    started: torch.cuda.Event | None  # recorded before the step's first kernel (CUDA only)
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, requests: list[Request], sampled: SamplerOutput, started, clock) -> "InFlight":
+        positions = []
+        for request in requests:
+            positions.append(len(request.token_ids))
+            request.token_ids.append(PLACEHOLDER)
+        host = SamplerOutput(*(_to_host(getattr(sampled, name)) for name in SamplerOutput.__dataclass_fields__))
+        return cls(requests, positions, sampled.token_ids, host, started, clock.event())
+
+    def fill(self, scheduled, token_ids: torch.Tensor) -> None:
+        """Writes this step's sampled tokens into ``token_ids`` (the next step's inputs, on the device) where the
+        host still has placeholders for them."""
+        placeholders = {id(r): (row, pos) for row, (r, pos) in enumerate(zip(self.requests, self.positions))}
+        index, source, offset = [], [], 0
+        for request, start, count in scheduled:
+            row, pos = placeholders.get(id(request), (None, -1))
+            if start <= pos < start + count:
+                index.append(offset + pos - start)
+                source.append(row)
+            offset += count
+        if index:
+            device = token_ids.device
+            token_ids[torch.tensor(index, device=device)] = self.tokens[torch.tensor(source, device=device)]
+
+    def wait(self, clock) -> SamplerOutput:
+        clock.wait(self.started, self.ready)
+        return self.host

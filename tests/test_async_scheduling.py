@@ -1,0 +1,67 @@
+"""Asynchronous scheduling (DEEPINFER_ASYNC_SCHEDULING, on by default) gives the same outputs as waiting for every
+step's tokens: across batching, chunked prefill, preemption, stop strings and stop tokens found a step late, n > 1
+seeded sampling and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams, envs
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):", "x = [",
+           "# compute the sum of squares of a list of numbers\n" * 3]
+ENGINE_ARGS = [
+    pytest.param({}, id="batched"),
+    pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill"),
+    pytest.param({"num_cache_tokens": 256, "block_size": 16, "enable_prefix_caching": False}, id="preempted"),
+]
+
+
+def _llm(checkpoint, monkeypatch, asynchronous: bool, engine_args) -> LLM:
+    monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "1" if asynchronous else "0")
+    envs.reload()
+    return LLM(str(checkpoint), dtype="float32", **engine_args)
+
+
+def _outputs(llm, params):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, round(c.cumulative_logprob, 4),
+              [{t: round(lp.logprob, 4) for t, lp in step.items()} for step in (c.logprobs or [])])
+             for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _params(reference_llm) -> list[SamplingParams]:
+    """Stop strings and stop tokens the outputs really contain, so they end requests mid-generation."""
+    greedy = reference_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    first, second = greedy[0].outputs[0], greedy[1].outputs[0]
+    return [
+        SamplingParams(temperature=0, max_tokens=24, stop=[first.text[4:7]], logprobs=2),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[second.token_ids[5]], ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, n=2, seq_seed=7, max_tokens=17),
+    ]
+
+
+@pytest.mark.parametrize("engine_args", ENGINE_ARGS)
+def test_outputs_are_the_same_with_and_without_overlap(tiny_v4_checkpoint, monkeypatch, engine_args):
+    waiting = _llm(tiny_v4_checkpoint, monkeypatch, False, engine_args)
+    overlapped = _llm(tiny_v4_checkpoint, monkeypatch, True, engine_args)
+    for params in _params(waiting):
+        assert _outputs(overlapped, params) == _outputs(waiting, params)
+    if "num_cache_tokens" in engine_args:
+        assert overlapped.engine.scheduler.num_preemptions > 0
+
+
+def test_a_step_is_left_in_flight_only_when_overlapping(tiny_v4_checkpoint, monkeypatch):
+    for asynchronous in (False, True):
+        llm = _llm(tiny_v4_checkpoint, monkeypatch, asynchronous, {})
+        llm._submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        llm.engine.step()
+        assert (llm.engine._inflight is not None) is asynchronous
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        assert llm.engine._inflight is None
+
+
+def test_penalties_wait_for_the_previous_tokens(tiny_v4_checkpoint, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5)
+    waiting = _outputs(_llm(tiny_v4_checkpoint, monkeypatch, False, {}), params)
+    assert _outputs(_llm(tiny_v4_checkpoint, monkeypatch, True, {}), params) == waiting
