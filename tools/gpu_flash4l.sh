@@ -5,7 +5,8 @@
 #   tools/gpu_flash4l.sh install,tests,roofline,kernels,small $OUT     then     tools/gpu_flash4l.sh install,large $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), quicktests, roofline, kernels (tools/gpu_kernels.py),
-# profile (tools/profile_decode.py at batch 1 and 16), small (batch 1 and 16 against HF, batch 1 eager), large
+# profile (tools/profile_decode.py at batch 1 and 16), small (batch 1 and 16 against HF, batch 1 eager, batch 1 and
+# 16 without asynchronous scheduling), large
 # (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64).
 set -uo pipefail
 sections=",$1,"
@@ -63,7 +64,7 @@ latency() {  # name, then bench latency arguments (--model defaults to flash4L)
     stamp "latency $name"
     timeout 400 "${bench[@]}" latency --model "${model:-/tmp/flash4L}" --load-format dummy --dtype bfloat16 --num-iters-warmup 1 \
         --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|captured|CUDA graphs" | head -5
-    python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v[m] for m in ('avg_latency','prefill_tokens_per_second','decode_tokens_per_second')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_$name.json" 2>&1
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','prefill_tokens_per_second','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_$name.json" 2>&1
 }
 if has profile; then  # kernels per eager decode step at batch 1 and 16
     for b in 1 16; do
@@ -75,6 +76,9 @@ if has small; then
     latency b1 --batch-size 1 --input-len 512 --output-len 64 --compare-hf
     latency b1_eager --batch-size 1 --input-len 512 --output-len 64 --enforce-eager
     latency b16 --batch-size 16 --input-len 512 --output-len 64 --compare-hf
+    # the same without overlapping host work (issue 7): the step_ms breakdown says where the time went
+    DEEPINFER_ASYNC_SCHEDULING=0 latency b1_sync --batch-size 1 --input-len 512 --output-len 64
+    DEEPINFER_ASYNC_SCHEDULING=0 latency b16_sync --batch-size 16 --input-len 512 --output-len 64
 fi
 if has large; then
     latency b64 --batch-size 64 --input-len 512 --output-len 64
