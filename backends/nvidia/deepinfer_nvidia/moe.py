@@ -92,23 +92,31 @@ def _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out,
 
 
 @triton.jit
+def _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr, N, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+    """This program's expert, first sorted row, row and column offsets with their masks, and the rows of ``a``
+    its assignments read."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)  # times its stride: past 2^31 in a large layer
+    start = tl.load(block_start_ptr + block)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < count
+    rows = tl.load(a_rows_ptr + start + offs_m, mask=m_ok, other=0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    return expert, start, offs_m, m_ok, rows, offs_n, offs_n < N
+
+
+@triton.jit
 def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, out_rows_ptr,
                         block_expert_ptr, block_start_ptr, block_rows_ptr, N, limit, stride_a, stride_sa, stride_we,
                         stride_wn, stride_swe, stride_swn, stride_out, K: tl.constexpr, ACT_BLOCK: tl.constexpr,
                         BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
                         NATIVE: tl.constexpr):
     """out = a W^T for one block of rows and BN columns; with SWIGLU, swiglu(a W^T, a V^T)."""
-    block = tl.program_id(0)
-    count = tl.load(block_rows_ptr + block)
+    count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)  # times its stride: past 2^31 in a large layer
-    start = tl.load(block_start_ptr + block)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < count
-    rows = tl.load(a_rows_ptr + start + offs_m, mask=m_ok, other=0)  # which row of ``a`` each assignment reads
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
+    expert, start, offs_m, m_ok, rows, offs_n, n_ok = _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr,
+                                                                  N, BLOCK_M, BN)
     w_tile = expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
     s_tile = expert * stride_swe + offs_n[:, None] * stride_swn + tl.arange(0, BK // 32)[None, :]
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
@@ -132,17 +140,11 @@ def _float_experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, out_ptr, out_rows_ptr
                           BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
                           NATIVE: tl.constexpr):
     """The same as ``_fp4_experts_kernel`` for float weights: plain BK-deep tiles, no scales."""
-    block = tl.program_id(0)
-    count = tl.load(block_rows_ptr + block)
+    count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)  # times its stride: past 2^31 in a large layer
-    start = tl.load(block_start_ptr + block)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < count
-    rows = tl.load(a_rows_ptr + start + offs_m, mask=m_ok, other=0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
+    expert, start, offs_m, m_ok, rows, offs_n, n_ok = _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr,
+                                                                  N, BLOCK_M, BN)
     w_tile = expert * stride_we + offs_n[:, None] * stride_wn
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
