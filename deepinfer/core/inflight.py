@@ -57,9 +57,10 @@ class InFlight:
                 index.append(offset + pos - start)
                 source.append(row)
             offset += count
-        if index:
+        if index:  # non-blocking copies: a blocking one would wait for the step still running
             device = token_ids.device
-            token_ids[torch.tensor(index, device=device)] = self.tokens[torch.tensor(source, device=device)]
+            index, source = (torch.tensor(v).to(device, non_blocking=True) for v in (index, source))
+            token_ids[index] = self.tokens[source]
 
     def wait(self, clock) -> SamplerOutput:
         clock.wait(self.started, self.ready)

@@ -27,11 +27,12 @@ def _blocked(request: Request) -> list[int]:
 
 def build_sampling_batch(requests: list[Request], vocab_size: int, device) -> SamplingBatch:
     params = [r.params for r in requests]
-    # two host-to-device copies per step (one per dtype) rather than one per parameter
+    # two host-to-device copies per step (one per dtype) rather than one per parameter, neither waiting for the
+    # device: with asynchronous scheduling it is still running the previous step
     floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                            p.repetition_penalty] for p in params], dtype=torch.float32).T.contiguous().to(device)
+                            p.repetition_penalty] for p in params], dtype=torch.float32).T.contiguous().to(device, non_blocking=True)
     ints = torch.tensor([[max(p.top_k, 0), _sample_seed(r), r.num_output_tokens] for p, r in zip(params, requests)],
-                        dtype=torch.int64).T.contiguous().to(device)
+                        dtype=torch.int64).T.contiguous().to(device, non_blocking=True)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     penalised = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
     return SamplingBatch(
@@ -50,4 +51,6 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device) -> Sa
         num_logprobs=max((vocab_size if n == -1 else n for n in asked), default=0),
         all_greedy=all(p.temperature == 0 for p in params),
         any_penalties=penalised,
+        any_top_k_top_p=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params),
+        any_seeded=any(p.seq_seed is not None for p in params),
     )

@@ -156,6 +156,9 @@ class SamplingBatch:
     num_logprobs: int
     all_greedy: bool
     any_penalties: bool
+    # what the host already knows, so a sampler need not ask the device (a host sync) to skip work
+    any_top_k_top_p: bool = True
+    any_seeded: bool = True
 
 
 @dataclass(slots=True)

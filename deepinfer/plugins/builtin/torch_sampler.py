@@ -50,10 +50,10 @@ class TorchSampler:
 
 def _flat_index(rows_of_ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, id) index pairs of a ragged list of id lists, for scatter-style updates."""
-    lengths = torch.tensor([len(ids) for ids in rows_of_ids], device=device)
-    rows = torch.repeat_interleave(torch.arange(len(rows_of_ids), device=device), lengths)
-    cols = torch.tensor(list(itertools.chain.from_iterable(rows_of_ids)), dtype=torch.int64, device=device)
-    return rows, cols
+    # built on the host and copied without blocking: neither waits for the device
+    rows = torch.tensor([row for row, ids in enumerate(rows_of_ids) for _ in ids], dtype=torch.int64)
+    cols = torch.tensor(list(itertools.chain.from_iterable(rows_of_ids)), dtype=torch.int64)
+    return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
 
 
 def _block_tokens(logits: torch.Tensor, blocked_token_ids: list[list[int]]) -> None:
@@ -86,7 +86,7 @@ def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     # Greedy rows are sampled too (and discarded) to keep the batch vectorised; temperature 1 keeps them finite.
     temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     scaled = logits / temperature[:, None]
-    keep = _top_k_top_p_mask(scaled, batch.top_k, batch.top_p)
+    keep = _top_k_top_p_mask(scaled, batch.top_k, batch.top_p, batch.any_top_k_top_p)
     # min-p: p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p), no softmax needed.
     min_p_floor = scaled.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
     keep &= scaled >= min_p_floor
@@ -94,20 +94,20 @@ def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
     seeded = batch.seeds >= 0
     gumbel = _unseeded_gumbel(filtered.shape, filtered.device)
-    if seeded.any():
-        rows = seeded.nonzero().squeeze(1)
-        gumbel[rows] = _seeded_gumbel(batch.seeds[rows], batch.positions[rows], filtered.shape[1])
+    if batch.any_seeded:  # every row's seeded noise, kept where the row is seeded: no host sync to find them
+        seeded_noise = _seeded_gumbel(batch.seeds, batch.positions, filtered.shape[1])
+        gumbel = torch.where(seeded.unsqueeze(1), seeded_noise, gumbel)
     # Gumbel-max: argmax(log p + G) is a draw from p; the softmax normaliser is a per-row
     # constant, so the filtered logits serve as well as their log-softmax.
     return (filtered.double() + gumbel).argmax(dim=-1)
 
 
-def _top_k_top_p_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, active: bool) -> torch.Tensor:
     vocab_size = scaled.shape[1]
+    if not active:  # no row filters (known on the host: asking the device would wait for it)
+        return torch.ones_like(scaled, dtype=torch.bool)
     k_active = (top_k > 0) & (top_k < vocab_size)
     p_active = top_p < 1  # skipping p = 1 avoids dropping the tail to cumsum rounding
-    if not (k_active.any() or p_active.any()):
-        return torch.ones_like(scaled, dtype=torch.bool)
 
     # Stable sort keeps the choice among tied logits independent of anything but the row.
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
