@@ -65,3 +65,22 @@ def test_penalties_wait_for_the_previous_tokens(tiny_v4_checkpoint, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5)
     waiting = _outputs(_llm(tiny_v4_checkpoint, monkeypatch, False, {}), params)
     assert _outputs(_llm(tiny_v4_checkpoint, monkeypatch, True, {}), params) == waiting
+
+
+def test_a_request_preempted_while_its_last_token_is_in_flight_finishes_cleanly(tiny_v4_checkpoint, monkeypatch):
+    """Its last token, resolved while it waits in the queue, ends it there; the other request runs on."""
+    llm = _llm(tiny_v4_checkpoint, monkeypatch, True, {})
+    engine = llm.engine
+    done = llm._submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    other = llm._submit([9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    engine.step()  # prefill both; their first tokens are in flight
+    engine.step()  # second tokens launched, first ones resolved
+    assert done.token_ids[-1] == -1  # its last token is still on the device
+    engine.scheduler.running.remove(done)
+    engine.scheduler._preempt(done)  # as the scheduler would under memory pressure
+    engine.scheduler.limits.max_num_seqs = 1  # keeps it queued
+    while engine.has_unfinished():
+        engine.step()
+    assert done.finished and done.finish_reason == "length" and len(done.output_token_ids) == 2
+    assert -1 not in done.token_ids and other.finished and len(other.output_token_ids) == 5
+    assert not engine.scheduler.waiting and not engine.scheduler.running

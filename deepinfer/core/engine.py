@@ -188,13 +188,12 @@ class LLMEngine:
             return finished
         self.step_metrics.steps += 1
         sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
-        fill = (lambda token_ids: self._inflight.fill(scheduled, token_ids)) if self._inflight else (lambda _: None)
-
         started = None
 
-        def launch(token_ids):
+        def launch(token_ids):  # the inputs are where the forward pass reads them: complete them, time from here
             nonlocal started
-            fill(token_ids)
+            if self._inflight is not None:
+                self._inflight.fill(scheduled, token_ids)
             started = clock.event()
 
         if self.graphs is not None and self.graphs.fits(scheduled):

@@ -107,6 +107,7 @@ class Scheduler:
             self.blocks.trim(request.tables, request.num_computed)
 
     def finish(self, request: Request) -> None:
+        # with asynchronous scheduling a request may be found finished after it was preempted (back in the queue)
+        (self.running if request.status is Status.RUNNING else self.waiting).remove(request)
         request.status = Status.FINISHED
-        self.running.remove(request)
         self.blocks.free(request.tables)
