@@ -84,3 +84,13 @@ def test_a_request_preempted_while_its_last_token_is_in_flight_finishes_cleanly(
     assert done.finished and done.finish_reason == "length" and len(done.output_token_ids) == 2
     assert -1 not in done.token_ids and other.finished and len(other.output_token_ids) == 5
     assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
+def test_no_step_is_spent_past_max_tokens(tiny_v4_checkpoint, monkeypatch):
+    steps = []
+    for asynchronous in (False, True):
+        llm = _llm(tiny_v4_checkpoint, monkeypatch, asynchronous, {})
+        llm.engine.step_metrics.reset()
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
+        steps.append(llm.engine.step_metrics.steps)
+    assert steps[0] == steps[1]

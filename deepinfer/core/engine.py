@@ -130,7 +130,7 @@ class LLMEngine:
         self.block_size = block_size
         self.cache = KVCache(kinds, blocks, block_size, self.device)
         self.blocks = BlockManager(kinds, blocks, block_size, c.enable_prefix_caching)
-        limits = SchedulerLimits(c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill)
+        limits = SchedulerLimits(c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill, self.max_model_len)
         self.scheduler = Scheduler(limits, self.blocks)
         rows = {k.name: self.cache.rows_per_block(k.name) for k in kinds}
         self.batch_builder = ForwardBatchBuilder(mc.window, overlaps, block_size, rows, self.device,

@@ -22,6 +22,7 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    max_model_len: int | None = None
 
 
 class Scheduler:
@@ -46,6 +47,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._generated_all(request):
+                index += 1
+                continue
             count = min(request.num_pending, budget)
             end = request.num_computed + count
             while not self.blocks.can_allocate(request.tables, request.num_computed, end):
@@ -81,6 +85,12 @@ class Scheduler:
             scheduled.append((request, request.num_computed, count))
             budget -= count
         return scheduled
+
+    def _generated_all(self, request: Request) -> bool:
+        """Its last token is already being computed (asynchronous scheduling): another step would be wasted."""
+        limit = self.limits.max_model_len
+        return (request.num_output_tokens >= request.params.max_tokens
+                or (limit is not None and len(request.token_ids) >= limit))
 
     def _attach_cached_prefix(self, request: Request) -> None:
         size = self.blocks.block_size
