@@ -2,12 +2,13 @@
 
 A graph fixes every shape, so a decode batch is padded to the next captured batch size and its block tables and
 compressed-entry candidates to a power-of-two context bucket (``PaddedShape``). The graph's static inputs are the
-step's host inputs (``StepInputs``); deriving the slots from them is part of the captured work. A graph is captured the first time its (batch size,
-context) bucket comes up, right after an eager run of the same inputs: that run tunes the Triton kernels outside
-the capture and writes exactly the cache rows the replay then rewrites. All graphs share one memory pool, which
-is safe because they never run concurrently and each keeps its own static inputs and outputs. The graph stops at
-the model's last hidden state: the head runs eagerly on the real rows only, so no graph holds a [batch, vocab]
-logits buffer (hundreds of MB each for the larger buckets) and padded rows cost no head GEMM.
+step's host inputs (``StepInputs``); deriving the slots from them is part of the captured work. A graph is
+captured the first time its (batch size, context) bucket comes up, right after an eager run of the same inputs:
+that run tunes the Triton kernels outside the capture and writes exactly the cache rows the replay then rewrites.
+All graphs share one memory pool, which is safe because they never run concurrently and each keeps its own static
+inputs and outputs. The graph stops at the model's last hidden state: the head runs eagerly on the real rows only,
+so no graph holds a [batch, vocab] logits buffer (hundreds of MB each for the larger buckets) and padded rows cost
+no head GEMM.
 """
 
 from __future__ import annotations
