@@ -152,15 +152,18 @@ class ForwardBatchBuilder:
         last_rows = torch.cumsum(torch.tensor([n for _, _, n in scheduled]), 0) - 1
         wants_logits = torch.tensor([start + n == len(r.token_ids) for r, start, n in scheduled])
         ends = positions + 1
+        # a padded batch has fixed candidate widths and closes a row per token: only unpadded ones need these
+        closing = {} if padded else {r: (ends % r == 0).nonzero().flatten() for r in self.ratios}
+        widths = {} if padded else {r: int((ends // r).max()) for r in self.ratios}
         inputs = StepInputs(
             token_ids=token_ids,
             positions=positions,
             owner=owner,
             logits_rows=last_rows[wants_logits],
             tables={kind: self._tables(requests, kind) for kind in self.rows_per_block},
-            close_tokens={r: (ends % r == 0).nonzero().flatten() for r in self.ratios},
+            close_tokens=closing,
             extras=self.host_inputs(token_ids, self._history(scheduled)) if self.token_history else {},
-            candidates={r: int((ends // r).max()) for r in self.ratios},
+            candidates=widths,
         )
         return inputs if padded is None else padded.pad(inputs)
 
