@@ -4,10 +4,13 @@ seeded sampling and logprobs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from deepinfer import LLM, SamplingParams, envs
 
+V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):", "x = [",
            "# compute the sum of squares of a list of numbers\n" * 3]
 ENGINE_ARGS = [
@@ -50,9 +53,21 @@ def test_outputs_are_the_same_with_and_without_overlap(tiny_v4_checkpoint, monke
         assert overlapped.engine.scheduler.num_preemptions > 0
 
 
-def test_a_step_is_left_in_flight_only_when_overlapping(tiny_v4_checkpoint, monkeypatch):
+@pytest.mark.parametrize("engine_args", [ENGINE_ARGS[0], ENGINE_ARGS[2]])
+def test_v41_engram_takes_the_previous_tokens_on_the_host_with_the_same_outputs(monkeypatch, engine_args):
+    """Engram hashes earlier token ids on the host: each step waits for the previous step's token values only,
+    and resolves its outputs while the device runs."""
+    waiting = _llm(V41_FIXTURE, monkeypatch, False, engine_args)
+    overlapped = _llm(V41_FIXTURE, monkeypatch, True, engine_args)
+    for params in _params(waiting):
+        assert _outputs(overlapped, params) == _outputs(waiting, params)
+
+
+@pytest.mark.parametrize("which", ["v4", "v4.1"])
+def test_a_step_is_left_in_flight_only_when_overlapping(which, tiny_v4_checkpoint, monkeypatch):
+    checkpoint = tiny_v4_checkpoint if which == "v4" else V41_FIXTURE
     for asynchronous in (False, True):
-        llm = _llm(tiny_v4_checkpoint, monkeypatch, asynchronous, {})
+        llm = _llm(checkpoint, monkeypatch, asynchronous, {})
         llm._submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         llm.engine.step()
         assert (llm.engine._inflight is not None) is asynchronous

@@ -63,5 +63,5 @@ def test_step_metrics_account_for_every_step(tiny_v4_checkpoint):
                  use_tqdm=False)
     per_step = metrics.per_step_ms()
     assert metrics.steps >= 6  # a prefill step, then one decode step per further token
-    assert all(per_step[phase] > 0 for phase in ("schedule", "forward", "sample", "outputs"))
+    assert all(per_step[phase] > 0 for phase in ("schedule", "prepare", "forward", "sample", "outputs"))
     assert per_step["device"] == 0  # no CUDA events on a CPU

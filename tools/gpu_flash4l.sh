@@ -5,9 +5,10 @@
 #   tools/gpu_flash4l.sh install,tests,roofline,kernels,small $OUT     then     tools/gpu_flash4l.sh install,large $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), quicktests, roofline, kernels (tools/gpu_kernels.py),
-# profile (tools/profile_decode.py at batch 1 and 16), small (batch 1 and 16 against HF, batch 1 eager, batch 1 and
-# 16 without asynchronous scheduling), large
-# (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64).
+# profile (tools/profile_decode.py at batch 1 and 16), idle (device idle share between replayed decode steps, with
+# and without asynchronous scheduling: issue 7), small (batch 1 and 16 against HF, batch 1 eager, batch 1 and 16
+# without asynchronous scheduling), large (batch 64 and 256, an 8192-token prefill against HF), v41 (the
+# V4.1-Flash-shaped fixture at batch 1 and 64).
 set -uo pipefail
 sections=",$1,"
 out="${2:-${OUT:-/tmp/gpu-out}}"
@@ -70,6 +71,19 @@ if has profile; then  # kernels per eager decode step at batch 1 and 16
     for b in 1 16; do
         stamp "profile b$b"
         python tools/profile_decode.py /tmp/flash4L --dummy --batch-size $b 2>&1 | grep -v INFO | head -22
+    done
+fi
+if has idle; then  # issue 7: device idle share between replayed decode steps, with and without overlap
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for m in /tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1; do
+        for b in 1 64; do
+            for a in 1 0; do
+                dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
+                stamp "idle $m b$b async=$a"
+                DEEPINFER_ASYNC_SCHEDULING=$a timeout 200 python tools/profile_decode.py $m $dummy --graphs --steps 48 \
+                    --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle.jsonl"
+            done
+        done
     done
 fi
 if has small; then

@@ -1,18 +1,36 @@
-"""Where a decode step's device time goes: kernels of eager decode steps only (prefill finished first).
+"""Where a decode step's device time goes, and how long the device sits idle between steps (issue 7).
 
-    python tools/profile_decode.py MODEL_DIR --batch-size 16 [--steps 8] [--dummy]
+    python tools/profile_decode.py MODEL_DIR --batch-size 16 [--steps 8] [--dummy]            kernels per eager step
+    python tools/profile_decode.py MODEL_DIR --batch-size 16 --steps 64 --graphs [--dummy]    idle share, replaying
 
-Eager, because a replayed CUDA graph shows as one launch; the kernels and their times are the same, the graph
-only removes the launch gaps. Prints the profiler's table and the launch count per step.
+Eager (the default), every kernel of a decode step is its own launch: the profiler's table and the launch count
+per step. With ``--graphs`` the steps replay CUDA graphs as in serving (asynchronous scheduling as
+DEEPINFER_ASYNC_SCHEDULING says); the profiler's kernel and copy intervals give the device's busy time, and the idle
+share is the part of the span from the first step's first kernel to the last step's last one that no kernel or copy
+covers. Prints one JSON line with it, the step's wall time and the engine's step metrics.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
 
 import torch
 
 from deepinfer import LLM, SamplingParams
+
+
+def busy_and_span_us(prof) -> tuple[float, float]:
+    """Union of the device's kernel and copy intervals, and the span they lie in (microseconds)."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for start, stop in intervals:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy, intervals[-1][1] - intervals[0][0] if intervals else 0.0
 
 
 def main() -> None:
@@ -21,23 +39,50 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--graphs", action="store_true", help="replay CUDA graphs and report the device idle share")
+    parser.add_argument("--host-profile", action="store_true", help="with --graphs: where the host's time goes "
+                        "(cProfile of the same steps, run again without the device profiler)")
     parser.add_argument("--dummy", action="store_true", help="load_format=dummy, dtype bfloat16")
     args = parser.parse_args()
     extra = {"load_format": "dummy", "dtype": "bfloat16"} if args.dummy else {}
-    llm = LLM(args.model, max_num_seqs=args.batch_size, enforce_eager=True, max_num_batched_tokens=8192, **extra)
+    llm = LLM(args.model, max_num_seqs=args.batch_size, enforce_eager=not args.graphs, max_num_batched_tokens=8192,
+              **extra)
     vocab = llm.engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 4, ignore_eos=True)
     for i in range(args.batch_size):
         llm._submit([(977 * i + 31 * j) % (vocab - 3) + 3 for j in range(args.input_len)], params)
     engine = llm.engine
     while any(r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()
-    engine.step()  # first decode step: nothing left to tune or allocate
+    for _ in range(2):  # the first decode steps: graphs captured, nothing left to tune or allocate
+        engine.step()
     torch.cuda.synchronize()
+    engine.step_metrics.reset()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    if args.graphs:
+        if args.host_profile:
+            import cProfile
+            import pstats
+
+            with cProfile.Profile() as host:
+                for _ in range(args.steps):
+                    engine.step()
+            pstats.Stats(host).sort_stats("cumulative").print_stats(25)
+        busy, span = busy_and_span_us(prof)
+        print(json.dumps({
+            "model": args.model, "batch": args.batch_size, "steps": args.steps,
+            "async_scheduling": engine.async_scheduling,
+            "step_wall_ms": round(wall * 1e3 / args.steps, 3),
+            "device_busy_ms_per_step": round(busy / 1e3 / args.steps, 3),
+            "device_idle_share": round(1 - busy / span, 4) if span else None,
+            "step_ms": {k: round(v, 3) for k, v in engine.step_metrics.per_step_ms().items()},
+        }))
+        return
     events = prof.key_averages()
     launches = sum(e.count for e in events)  # only CUDA activity was recorded: kernels and copies
     device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)

@@ -31,8 +31,12 @@ MIN_CONTEXT = 256
 @dataclass(slots=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: StepInputs
+    inputs: StepInputs  # static, on the device
     hidden: torch.Tensor  # the model's output rows for sampling, [padded batch, ...]
+    # the inputs' pinned staging copy on the host, and the event after the last copy out of it: a step overwrites
+    # it only once the previous step's copy has run (usually long done: it preceded the step now running)
+    staging: StepInputs
+    staged: torch.cuda.Event
 
 
 class DecodeGraphs:
@@ -69,11 +73,15 @@ class DecodeGraphs:
         key = (shape.num_tokens, shape.blocks)
         captured = self.graphs.get(key)
         if captured is None:
+            staging = inputs.pinned()
             inputs = inputs.to(self.builder.device)
             before_launch(inputs.token_ids)
-            captured = self.graphs[key] = self._capture(inputs)
+            captured = self.graphs[key] = self._capture(inputs, staging)
         else:
-            captured.inputs.copy_(inputs)
+            captured.staged.synchronize()
+            captured.staging.copy_(inputs)
+            captured.inputs.copy_(captured.staging)
+            captured.staged.record()
             before_launch(captured.inputs.token_ids)
         captured.graph.replay()
         return self.model.compute_logits(captured.hidden[: len(scheduled)])
@@ -82,7 +90,7 @@ class DecodeGraphs:
         batch = self.builder.derive(inputs)
         return self.model(batch, self.cache)[batch.logits_rows]
 
-    def _capture(self, inputs: StepInputs) -> _Captured:
+    def _capture(self, inputs: StepInputs, staging: StepInputs) -> _Captured:
         start = time.perf_counter()
         self._forward(inputs)
         torch.cuda.synchronize()
@@ -95,4 +103,4 @@ class DecodeGraphs:
                                "Pass enforce_eager=True to run every step eagerly, and report it") from exc
         logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", inputs.token_ids.shape[0],
                     inputs.candidates, time.perf_counter() - start)
-        return _Captured(graph, inputs, hidden)
+        return _Captured(graph, inputs, hidden, staging, torch.cuda.Event())

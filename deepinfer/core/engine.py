@@ -174,25 +174,27 @@ class LLMEngine:
         """Schedule and launch one forward pass; returns the requests found finished in this call.
 
         With asynchronous scheduling the host resolves the previous step's tokens (detokenizing, stop checks) while
-        the device runs this one, whose inputs take those tokens on the device (``core/inflight.py``); otherwise
-        it waits for this step's tokens before returning."""
+        the device runs this one, whose inputs take those tokens on the device (``core/inflight.py``), or on the
+        host first when a model or a sampling penalty needs their values; otherwise it waits for this step's
+        tokens before returning."""
         clock = self._clock
         clock.start()
         scheduled = self.scheduler.schedule()
         clock.lap("schedule")
-        finished = []
-        if self._inflight is not None and (not scheduled or self._needs_host_tokens(scheduled)):
-            finished = self._resolve()
-            scheduled = [s for s in scheduled if not s[0].finished]
         if not scheduled:
-            return finished
+            return self._resolve() if self._inflight is not None else []
+        tokens_on_host = self._inflight is not None and self._needs_host_tokens(scheduled)
+        if tokens_on_host:  # only the values: the outputs (detokenizing, stop checks) still overlap this step
+            self._inflight.write_tokens(clock)
+        finished = []
         self.step_metrics.steps += 1
         sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
         started = None
 
         def launch(token_ids):  # the inputs are where the forward pass reads them: complete them, time from here
             nonlocal started
-            if self._inflight is not None:
+            clock.lap("prepare")
+            if self._inflight is not None and not tokens_on_host:
                 self._inflight.fill(scheduled, token_ids)
             started = clock.event()
 
@@ -218,8 +220,8 @@ class LLMEngine:
         return finished
 
     def _needs_host_tokens(self, scheduled) -> bool:
-        """Whether this step's inputs need the previous step's tokens on the host: Engram's hashes do, and so do
-        repetition/frequency/presence penalties, which count them."""
+        """Whether this step's inputs need the previous step's token values on the host: Engram's hashes do, and
+        so do repetition/frequency/presence penalties, which count them."""
         if self.model.token_history:
             return True
         return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0

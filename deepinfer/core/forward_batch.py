@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from deepinfer.core.transfer import to_device
+
 
 @dataclass(slots=True)
 class CompressedMeta:
@@ -70,10 +72,17 @@ class StepInputs:
                 yield from ((f.name, key, t) for key, t in value.items())
 
     def to(self, device) -> "StepInputs":
+        return self.map(lambda t: to_device(t, device))
+
+    def pinned(self) -> "StepInputs":
+        """A copy in pinned host memory: a staging buffer the device copies from without the host waiting."""
+        return self.map(torch.Tensor.pin_memory)
+
+    def map(self, fn) -> "StepInputs":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         moved.update({name: dict(moved[name]) for name in ("tables", "close_tokens", "extras")})
         for name, key, t in self._tensors():
-            t = t.to(device, non_blocking=True)
+            t = fn(t)
             if key is None:
                 moved[name] = t
             else:
@@ -81,7 +90,8 @@ class StepInputs:
         return StepInputs(**moved)
 
     def copy_(self, source: "StepInputs") -> None:
-        """Overwrite these tensors in place (the static inputs of a captured graph) with ``source``'s."""
+        """Overwrite these tensors in place (a staging buffer; a captured graph's static inputs) with ``source``'s;
+        device-bound copies from pinned memory run without the host waiting."""
         for (_, _, target), (_, _, value) in zip(self._tensors(), source._tensors(), strict=True):
             target.copy_(value, non_blocking=True)
 

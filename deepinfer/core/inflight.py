@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.core.request import Request
+from deepinfer.core.transfer import to_device
 from deepinfer.plugins.interfaces import SamplerOutput
 
 PLACEHOLDER = -1
@@ -57,11 +58,19 @@ class InFlight:
                 index.append(offset + pos - start)
                 source.append(row)
             offset += count
-        if index:  # non-blocking copies: a blocking one would wait for the step still running
-            device = token_ids.device
-            index, source = (torch.tensor(v).to(device, non_blocking=True) for v in (index, source))
+        if index:
+            index, source = to_device(torch.tensor([index, source]), token_ids.device)
             token_ids[index] = self.tokens[source]
 
     def wait(self, clock) -> SamplerOutput:
         clock.wait(self.started, self.ready)
+        self.ready = None  # timed once
         return self.host
+
+    def write_tokens(self, clock) -> None:
+        """Waits for the sampled tokens and writes them over the placeholders, for a next step whose host-side
+        inputs need their values; logprobs, stop checks and text still wait for ``OutputProcessor.resolve``."""
+        tokens = self.wait(clock).token_ids.tolist()
+        for request, position, token in zip(self.requests, self.positions, tokens):
+            if not request.finished:
+                request.token_ids[position] = token

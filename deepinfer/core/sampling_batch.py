@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.core.request import Request
+from deepinfer.core.transfer import to_device
 from deepinfer.plugins.interfaces import SamplingBatch
 
 # Each of a prompt's n samples gets its own noise key: sample i uses seed + i * GOLDEN (mod 2**63),
@@ -30,9 +31,10 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device) -> Sa
     # two host-to-device copies per step (one per dtype) rather than one per parameter, neither waiting for the
     # device: with asynchronous scheduling it is still running the previous step
     floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                            p.repetition_penalty] for p in params], dtype=torch.float32).T.contiguous().to(device, non_blocking=True)
+                            p.repetition_penalty] for p in params], dtype=torch.float32).T.contiguous()
     ints = torch.tensor([[max(p.top_k, 0), _sample_seed(r), r.num_output_tokens] for p, r in zip(params, requests)],
-                        dtype=torch.int64).T.contiguous().to(device, non_blocking=True)
+                        dtype=torch.int64).T.contiguous()
+    floats, ints = to_device(floats, device), to_device(ints, device)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     penalised = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
     return SamplingBatch(

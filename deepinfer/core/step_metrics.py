@@ -11,14 +11,16 @@ import torch
 @dataclass(slots=True)
 class StepMetrics:
     """Seconds summed over ``steps``. Host phases are wall times of the engine's own code: ``schedule``,
-    ``forward`` (preparing the inputs and launching the forward pass; on a CPU, running it), ``sample`` (launching
-    the sampler), ``wait`` (blocked until the device has the sampled tokens) and ``outputs`` (detokenizing, stop
-    checks). ``device`` is the GPU time from the forward pass's first kernel to the sampler's last (CUDA events;
-    only for steps that sample). With host and device strictly alternating, device idle time per step is about
-    ``schedule + forward + sample + outputs`` minus what the device spends still running while the host launches."""
+    ``prepare`` (building the step's inputs and starting their copy to the device), ``forward`` (launching the
+    forward pass and the head; on a CPU, running them), ``sample`` (launching the sampler), ``wait`` (blocked until
+    the device has sampled tokens: the previous step's, with asynchronous scheduling) and ``outputs``
+    (detokenizing, stop checks). ``device`` is the GPU time from the forward pass's first kernel to the sampler's
+    last (CUDA events; only for steps that sample); with asynchronous scheduling it includes the time the step
+    queued behind the previous one. Device idle time itself is measured by ``tools/profile_decode.py --graphs``."""
 
     steps: int = 0
     schedule: float = 0.0
+    prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
     wait: float = 0.0

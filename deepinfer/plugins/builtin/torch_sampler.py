@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.core.transfer import to_device
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer.plugins.interfaces import SamplerOutput, SamplingBatch
 
@@ -50,10 +51,9 @@ class TorchSampler:
 
 def _flat_index(rows_of_ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, id) index pairs of a ragged list of id lists, for scatter-style updates."""
-    # built on the host and copied without blocking: neither waits for the device
     rows = torch.tensor([row for row, ids in enumerate(rows_of_ids) for _ in ids], dtype=torch.int64)
     cols = torch.tensor(list(itertools.chain.from_iterable(rows_of_ids)), dtype=torch.int64)
-    return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
+    return to_device(rows, device), to_device(cols, device)
 
 
 def _block_tokens(logits: torch.Tensor, blocked_token_ids: list[list[int]]) -> None:
