@@ -7,6 +7,14 @@
 # and ascend expect the accelerator's torch (and torch_npu) to be installed already, since
 # which build matches the driver is the user's call. Then the core (editable, with the test
 # extra), the accelerator's backend plugin and every feature plugin that exists. Safe to rerun.
+#
+# nvidia also provisions DeepSeek's kernels (FlashMLA, DeepGEMM) by DEEPINFER_KERNELS and says what loaded:
+#   auto (default)       prebuilt:.kernels when that folder exists, otherwise none
+#   source:DIR           builds DIR/FlashMLA and DIR/DeepGEMM (whichever exist) from their source checkouts
+#   prebuilt:DIR         a folder from tools/fetch_kernels.py (binaries lifted from a PyPI vLLM wheel)
+#   pypi[:VERSION]       runs tools/fetch_kernels.py first (needs PyPI; vLLM VERSION, default 0.25.0, must match
+#                        the installed torch/CUDA), then prebuilt:.kernels
+#   triton               none: the plugin's Triton kernels serve every op
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,6 +26,40 @@ say() { echo "build.sh: $*"; }
 die() { echo "build.sh: error: $*" >&2; exit 1; }
 pip_install() { "$PYTHON" -m pip install --quiet --disable-pip-version-check "$@"; }
 python_ok() { "$PYTHON" -c "$1" >/dev/null 2>&1; }
+
+provision_deepseek_kernels() {
+    local choice="${DEEPINFER_KERNELS:-auto}" route dir
+    local pth="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/deepinfer_kernels.pth"
+    rm -f "$pth"  # a rerun with another choice must not keep an earlier folder on the path
+    [[ "$choice" == auto ]] && { [[ -d .kernels ]] && choice=prebuilt:.kernels || choice=triton; }
+    case "$choice" in
+        pypi|pypi:*)
+            local version="${choice#pypi}"; version="${version#:}"
+            "$PYTHON" tools/fetch_kernels.py .kernels --vllm "${version:-0.25.0}" \
+                --python "cpython-$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')" \
+                || die "DEEPINFER_KERNELS=$choice: fetching the kernels failed (see above)"
+            choice=prebuilt:.kernels ;;
+    esac
+    case "$choice" in
+        triton) route="none (DEEPINFER_KERNELS=triton or no .kernels folder)" ;;
+        source:*)
+            dir="${choice#source:}"
+            [[ -d "$dir/FlashMLA" || -d "$dir/DeepGEMM" ]] || die "DEEPINFER_KERNELS=$choice: no FlashMLA or DeepGEMM checkout in $dir"
+            for lib in FlashMLA DeepGEMM; do
+                [[ -d "$dir/$lib" ]] || continue
+                say "building $lib from $dir/$lib (minutes: CUDA sources)"
+                pip_install --no-build-isolation "$dir/$lib" || die "building $lib from $dir/$lib failed (see above)"
+            done
+            route="built from source in $dir" ;;
+        prebuilt:*)
+            dir="${choice#prebuilt:}"
+            [[ -d "$dir/deep_gemm" || -d "$dir/deepinfer_flashmla" ]] || die "DEEPINFER_KERNELS=$choice: $dir holds neither deep_gemm/ nor deepinfer_flashmla/ (make it with tools/fetch_kernels.py)"
+            (cd "$dir" && pwd) > "$pth"
+            route="prebuilt in $dir" ;;
+        *) die "DEEPINFER_KERNELS=$choice is not one of auto, triton, source:DIR, prebuilt:DIR, pypi[:VERSION]" ;;
+    esac
+    say "DeepSeek kernels: $route; $("$PYTHON" -c 'from deepinfer_nvidia.deepseek_kernels import report; print(report())' 2>&1 | tail -1)"
+}
 
 case "$accelerator" in
     cpu|nvidia|ascend) ;;
@@ -57,6 +99,7 @@ if [[ "$accelerator" != cpu ]]; then
     if [[ -f "$backend/pyproject.toml" ]]; then
         say "installing the $accelerator backend plugin ($backend)"
         pip_install -e "$backend"
+        [[ "$accelerator" == nvidia ]] && provision_deepseek_kernels
     else
         meanwhile="the reference torch path runs on CUDA"
         [[ "$accelerator" == ascend ]] && meanwhile="the reference torch path runs (on CPU unless you pass device=\"npu\")"

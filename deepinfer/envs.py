@@ -48,6 +48,10 @@ class Envs:
         "choice", "auto", "Device family the engine uses (build.sh reads it too).",
         choices=("auto", "cpu", "nvidia", "ascend"),
     )
+    DEEPINFER_KERNELS: str = _variable(
+        "str", "auto", "Read by build.sh (nvidia) only: where DeepSeek's kernels come from: `auto`, `triton`, "
+        "`source:DIR`, `prebuilt:DIR`, `pypi[:VLLM_VERSION]` (see build.sh).",
+    )
     DEEPINFER_HF_MODEL_DIR: Path | None = _variable(
         "path", None, "Local checkpoint directory; overrides the model argument and the hub default.",
     )

@@ -10,6 +10,7 @@ from deepinfer import envs
 
 EXPECTED_DEFAULTS = {
     "DEEPINFER_ACCELERATOR": "auto",
+    "DEEPINFER_KERNELS": "auto",
     "DEEPINFER_HF_MODEL_DIR": None,
     "DEEPINFER_PLUGINS": None,
     "DEEPINFER_ENABLE_MTP_VARLEN": False,

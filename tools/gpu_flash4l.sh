@@ -2,7 +2,7 @@
 # Issue 6 on the lent H200: install with build.sh, kernel and CUDA-graph tests natively, flash4L benchmarks
 # against HF transformers and the measured roofline. One section per device call (each must stay < 10 min):
 #
-#   tools/gpu_flash4l.sh install,tests,roofline,kernels,small $OUT     then     tools/gpu_flash4l.sh install,large $OUT
+#   tools/gpu_flash4l.sh install,tests,kernels,small $OUT   then   install,idle $OUT   then   install,large,v41,profile $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), quicktests, roofline, kernels (tools/gpu_kernels.py),
 # profile (tools/profile_decode.py at batch 1 and 16), idle (device idle share between replayed decode steps, with
@@ -19,8 +19,9 @@ stamp() { echo "== $(date +%T) $*"; }
 if has install; then
     stamp install
     pip install --quiet --no-deps --no-index .wheels/pluggy-*.whl 2>&1 | tail -2
-    # offline: no index, and the box's own setuptools instead of an isolated build environment
-    PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tail -8
+    # offline: no index, and the box's own setuptools instead of an isolated build environment; DeepSeek's kernels
+    # from .kernels when it came along (tools/fetch_kernels.py; the run tool's carry: [".wheels", ".kernels"])
+    PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tail -9
 fi
 if command -v deepinfer >/dev/null && python -c "import deepinfer_nvidia" 2>/dev/null; then
     bench=(deepinfer bench)
@@ -34,7 +35,7 @@ export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
 if has tests; then
     stamp tests
     timeout 300 python -m pytest -q -x tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
-        tests/test_nvidia_fp8_linear.py 2>&1 | tail -15
+        tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py 2>&1 | tail -15
 fi
 if has quicktests; then  # the tests of what changes most often
     stamp quicktests
@@ -78,6 +79,7 @@ if has idle; then  # issue 7: device idle share between replayed decode steps, w
     for m in /tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1; do
         for b in 1 64; do
             for a in 1 0; do
+                [[ $a == 0 && $m != /tmp/flash4L ]] && continue  # without overlap: flash4L only (time)
                 dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
                 stamp "idle $m b$b async=$a"
                 DEEPINFER_ASYNC_SCHEDULING=$a timeout 200 python tools/profile_decode.py $m $dummy --graphs --steps 48 \
@@ -85,6 +87,9 @@ if has idle; then  # issue 7: device idle share between replayed decode steps, w
             done
         done
     done
+    stamp "host profile flash4L b1"  # where the host's step goes at batch 1
+    timeout 200 python tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
+        2>&1 | grep -v INFO > "$out/host_flash4L_b1.txt"
 fi
 if has small; then
     latency b1 --batch-size 1 --input-len 512 --output-len 64 --compare-hf

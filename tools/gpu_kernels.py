@@ -8,6 +8,11 @@
 - Routed experts: 32 experts x 16 tokens each, hidden 4096, intermediate 2048 (V4-Flash), w1/w3/w2 streamed once:
   bf16 and MXFP4 weights, GB/s of weight bytes (DeepGEMM's masked FP8 grouped GEMM streams 3.59 TB/s there).
 - Routed experts in a prefill: 8192 tokens, top-6 of 256 bf16 experts, 16-row against 64-row blocks.
+- DeepSeek's kernels in the same run, where build.sh provisioned them (``deepseek_peers``): FlashMLA's sparse
+  decode on the same attention problem, its KV packed in V4's FP8 layout (our kernel reads the same rows
+  dequantized to bf16, so the outputs are compared too); DeepGEMM's masked grouped GEMM on the experts shape (FP8
+  and bf16) and its FP8 GEMM against our Triton block-FP8 GEMM at projection shapes. A failing call is recorded
+  with its error, not skipped.
 Inputs are fresh random values. Each call is captured in a CUDA graph and its replays timed (median of
 triton.testing.do_bench, L2 flushed between runs), so host launch overhead is not counted, as in the engine.
 """
@@ -19,9 +24,11 @@ import json
 import torch
 import triton.testing
 
+from deepinfer_nvidia import deepseek_kernels
 from deepinfer_nvidia import moe as moe_module
-from deepinfer.core.quantization import quantize_fp4
+from deepinfer.core.quantization import quantize_fp4, quantize_fp8
 from deepinfer.plugins.interfaces import ExpertWeights
+from deepinfer_nvidia.fp8_linear import fp8_linear
 from deepinfer_nvidia.moe import TritonMoE
 from deepinfer_nvidia.sparse_attention import TritonAttention
 
@@ -103,6 +110,88 @@ def prefill_experts() -> list[dict]:
     return rows
 
 
+def _attempt(fn) -> dict:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 (a peer that fails is reported, the rest still run)
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def flashmla_peer() -> list[dict]:
+    sparse_decode, route = deepseek_kernels.flash_mla()
+    if sparse_decode is None:
+        return [{"error": route}]
+    rows = []
+    heads, dim, window, selected, page, pages = 64, 512, 128, 512, 64, 1024
+    backend = TritonAttention()
+    for batch in (1, 16, 128):
+        def one() -> dict:
+            comp = deepseek_kernels.pack_kv(torch.randn(pages * page, dim, device=DEVICE).to(torch.bfloat16), page)
+            swa = deepseek_kernels.pack_kv(torch.randn(pages * page, dim, device=DEVICE).to(torch.bfloat16), page)
+            q = torch.randn(batch, 1, heads, dim, dtype=torch.bfloat16, device=DEVICE)
+            comp_idx = torch.randint(0, pages * page, (batch, 1, selected), device=DEVICE, dtype=torch.int32)
+            window_idx = torch.randint(0, pages * page, (batch, 1, window), device=DEVICE, dtype=torch.int32)
+            sinks, scale = torch.randn(heads, device=DEVICE), dim**-0.5
+            theirs = sparse_decode(q, comp, comp_idx, sinks, scale, swa, window_idx)
+            flashmla_us = _graph_us(lambda: sparse_decode(q, comp, comp_idx, sinks, scale, swa, window_idx))
+            sources = [(deepseek_kernels.unpack_kv(swa), window_idx[:, 0].long()),
+                       (deepseek_kernels.unpack_kv(comp), comp_idx[:, 0].long())]
+            ours = backend.sparse_attention(q[:, 0], sources, sinks, scale)
+            ours_us = _graph_us(lambda: backend.sparse_attention(q[:, 0], sources, sinks, scale))
+            diff = (ours.float() - theirs[:, 0].float()).abs().max() / theirs.float().abs().max()
+            return {"batch": batch, "flashmla_us": round(flashmla_us, 1), "triton_us": round(ours_us, 1),
+                    "triton_over_flashmla": round(ours_us / flashmla_us, 2), "max_diff_rel": float(diff)}
+        rows.append(_attempt(one))
+    return rows
+
+
+def deepgemm_peer() -> list[dict]:
+    dg, route = deepseek_kernels.deep_gemm()
+    if dg is None:
+        return [{"error": route}]
+    from deep_gemm.utils import per_block_cast_to_fp8, per_token_cast_to_fp8
+
+    rows = []
+    num, m, hidden, inter = 32, 16, 4096, 2048
+    for n, k in ((2 * inter, hidden), (hidden, inter)):  # w1|w3 fused, then w2: the experts' bytes of one layer
+        def masked(fp8: bool) -> dict:
+            a = torch.randn(num, m, k, device=DEVICE, dtype=torch.bfloat16)
+            b = torch.randn(num, n, k, device=DEVICE, dtype=torch.bfloat16) * k**-0.5
+            d = torch.empty(num, m, n, device=DEVICE, dtype=torch.bfloat16)
+            counts = torch.full((num,), m, device=DEVICE, dtype=torch.int32)
+            if fp8:
+                qa = [per_token_cast_to_fp8(a[e], use_ue8m0=False) for e in range(num)]
+                qb = [per_block_cast_to_fp8(b[e], use_ue8m0=False) for e in range(num)]
+                lhs = (torch.stack([x for x, _ in qa]), torch.stack([s for _, s in qa]))
+                rhs = (torch.stack([x for x, _ in qb]), torch.stack([s for _, s in qb]))
+                call = lambda: dg.m_grouped_fp8_gemm_nt_masked(lhs, rhs, d, counts, m)  # noqa: E731
+                weight_bytes = num * n * k
+            else:
+                call = lambda: dg.m_grouped_bf16_gemm_nt_masked(a, b, d, counts, m)  # noqa: E731
+                weight_bytes = num * n * k * 2
+            us = _graph_us(call)
+            diff = (d.float() - torch.bmm(a.float(), b.float().transpose(1, 2))).abs().max() / d.float().abs().max()
+            return {"kernel": f"m_grouped_{'fp8' if fp8 else 'bf16'}_gemm_nt_masked", "experts": num,
+                    "tokens_per_expert": m, "n": n, "k": k, "us": round(us, 1),
+                    "weight_GBps": round(weight_bytes / us / 1e3), "max_diff_rel": round(float(diff), 4)}
+        rows += [_attempt(lambda: masked(True)), _attempt(lambda: masked(False))]
+    for tokens in (1, 16, 64):  # a 4096 x 4096 FP8 projection, 128 x 128 weight tiles: DeepGEMM against ours
+        def dense() -> dict:
+            x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+            weight, scale = quantize_fp8(torch.randn(hidden, hidden, device=DEVICE) * hidden**-0.5, 128, 128)
+            lhs = per_token_cast_to_fp8(x, use_ue8m0=False)
+            out = torch.empty(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+            theirs_us = _graph_us(lambda: dg.fp8_gemm_nt(lhs, (weight, scale.float()), out))
+            ours_us = _graph_us(lambda: fp8_linear(x, weight, scale, 128))
+            diff = (fp8_linear(x, weight, scale, 128).float() - out.float()).abs().max() / out.float().abs().max()
+            return {"kernel": "fp8_gemm_nt", "m": tokens, "n": hidden, "k": hidden, "deepgemm_us": round(theirs_us, 1),
+                    "triton_us": round(ours_us, 1), "triton_over_deepgemm": round(ours_us / theirs_us, 2),
+                    "max_diff_rel": round(float(diff), 4)}
+        rows.append(_attempt(dense))
+    return rows
+
+
 if __name__ == "__main__":
-    print(json.dumps({"device": torch.cuda.get_device_name(), "attention": attention(), "experts": experts(),
-                      "prefill_experts": prefill_experts()}, indent=1))
+    print(json.dumps({"device": torch.cuda.get_device_name(), "deepseek_kernels": deepseek_kernels.report(),
+                      "attention": attention(), "flashmla": flashmla_peer(), "experts": experts(),
+                      "deepgemm": deepgemm_peer(), "prefill_experts": prefill_experts()}, indent=1))

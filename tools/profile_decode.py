@@ -58,6 +58,7 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     engine.step_metrics.reset()
+    preempted, graphs = engine.scheduler.num_preemptions, len(engine.graphs.graphs) if engine.graphs else 0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -65,6 +66,18 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     if args.graphs:
+        busy, span = busy_and_span_us(prof)
+        measured = {
+            "model": args.model, "batch": args.batch_size, "steps": args.steps,
+            "async_scheduling": engine.async_scheduling,
+            "step_wall_ms": round(wall * 1e3 / args.steps, 3),
+            "device_busy_ms_per_step": round(busy / 1e3 / args.steps, 3),
+            "device_idle_share": round(1 - busy / span, 4) if span else None,
+            "step_ms": {k: round(v, 3) for k, v in engine.step_metrics.per_step_ms().items()},
+            # either makes some measured steps eager (recomputed prefills, a capture's warm-up run)
+            "preemptions_while_measured": engine.scheduler.num_preemptions - preempted,
+            "graphs_captured_while_measured": (len(engine.graphs.graphs) if engine.graphs else 0) - graphs,
+        }
         if args.host_profile:
             import cProfile
             import pstats
@@ -73,15 +86,7 @@ def main() -> None:
                 for _ in range(args.steps):
                     engine.step()
             pstats.Stats(host).sort_stats("cumulative").print_stats(25)
-        busy, span = busy_and_span_us(prof)
-        print(json.dumps({
-            "model": args.model, "batch": args.batch_size, "steps": args.steps,
-            "async_scheduling": engine.async_scheduling,
-            "step_wall_ms": round(wall * 1e3 / args.steps, 3),
-            "device_busy_ms_per_step": round(busy / 1e3 / args.steps, 3),
-            "device_idle_share": round(1 - busy / span, 4) if span else None,
-            "step_ms": {k: round(v, 3) for k, v in engine.step_metrics.per_step_ms().items()},
-        }))
+        print(json.dumps(measured))
         return
     events = prof.key_averages()
     launches = sum(e.count for e in events)  # only CUDA activity was recorded: kernels and copies

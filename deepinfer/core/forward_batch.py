@@ -197,11 +197,12 @@ class ForwardBatchBuilder:
         positions, owner = inputs.positions, inputs.owner
         swa = inputs.tables["swa"]
         window_pos = positions.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=positions.device)
+        window = self._slots(swa, "swa", owner.unsqueeze(1), window_pos)
         batch = ForwardBatch(
             token_ids=inputs.token_ids,
             positions=positions,
-            swa_slots=self._writes(inputs, "swa", self._slots(swa, "swa", owner, positions)),
-            window=self._slots(swa, "swa", owner.unsqueeze(1), window_pos),
+            swa_slots=self._writes(inputs, "swa", window[:, -1]),  # a token's own row ends its window
+            window=window,
             logits_rows=inputs.logits_rows,
             extras=inputs.extras,
         )
@@ -225,7 +226,8 @@ class ForwardBatchBuilder:
 
     def _compressed(self, inputs: StepInputs, ratio: int, overlap: int) -> CompressedMeta:
         """Unpadded, only the windows closing in this step are listed; padded, every token gets a close row (-1
-        slots where its window does not close), so shapes stay fixed."""
+        slots where its window does not close), so shapes stay fixed, and each table's lookups for a token share
+        one ``_slots`` call (every op here is a kernel of the decode graph)."""
         positions, owner = inputs.positions, inputs.owner
         device = positions.device
         comp_kind, state_kind = f"comp{ratio}", f"state{ratio}"
@@ -235,24 +237,35 @@ class ForwardBatchBuilder:
         entry_pos = torch.where(entries < visible.unsqueeze(1), entries * ratio, -1)
         closing = (positions + 1) % ratio == 0
         close_tokens = inputs.close_tokens.get(ratio)
-        if close_tokens is None:
-            close_tokens = torch.arange(positions.shape[0], device=device)
-        window_ids = torch.where(closing, visible - 1, -1)[close_tokens]
-        close_owner = owner[close_tokens]
+        padded = close_tokens is None  # close rows for every token, in token order
+        window_ids, close_owner = torch.where(closing, visible - 1, -1), owner
+        if not padded:
+            window_ids, close_owner = window_ids[close_tokens], owner[close_tokens]
         row_pos = (window_ids - overlap + 1).unsqueeze(1) * ratio + torch.arange(overlap * ratio, device=device)
         row_pos = torch.where(window_ids.unsqueeze(1) >= 0, row_pos, -1)
         if overlap:
             state = inputs.tables[state_kind]
-            state_slots = self._writes(inputs, state_kind, self._slots(state, state_kind, owner, positions))
-            close_rows = self._slots(state, state_kind, close_owner.unsqueeze(1), row_pos)
+            if padded:
+                rows = self._slots(state, state_kind, owner.unsqueeze(1), torch.cat((row_pos, positions[:, None]), 1))
+                close_rows, own_rows = rows[:, :-1], rows[:, -1]
+            else:
+                close_rows = self._slots(state, state_kind, close_owner.unsqueeze(1), row_pos)
+                own_rows = self._slots(state, state_kind, owner, positions)
+            state_slots = self._writes(inputs, state_kind, own_rows)
         else:
             state_slots, close_rows = torch.empty(0, dtype=torch.int64, device=device), row_pos[:, :0]
-        close_slots = self._slots(comp, comp_kind, close_owner, window_ids * ratio)
+        if padded:
+            new_entry = window_ids.unsqueeze(1) * ratio
+            comp_slots = self._slots(comp, comp_kind, owner.unsqueeze(1), torch.cat((entry_pos, new_entry), 1))
+            candidates, close_slots = comp_slots[:, :-1], comp_slots[:, -1]
+        else:
+            candidates = self._slots(comp, comp_kind, owner.unsqueeze(1), entry_pos)
+            close_slots = self._slots(comp, comp_kind, close_owner, window_ids * ratio)
         return CompressedMeta(
             ratio=ratio,
             overlap=overlap,
             state_slots=state_slots,
-            candidates=self._slots(comp, comp_kind, owner.unsqueeze(1), entry_pos),
+            candidates=candidates,
             close_rows=close_rows,
             close_slots=self._writes(inputs, comp_kind, close_slots),
             close_positions=window_ids.clamp(min=0) * ratio,

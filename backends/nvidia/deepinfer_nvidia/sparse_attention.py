@@ -5,8 +5,8 @@ through the index list once for all of them: the scores are one ``tl.dot(q_heads
 ``p @ keys``, with an fp32 online softmax in between. A program handles up to two sources (the sliding window and the
 compressed entries) in one pass; more sources are served two per launch and merged like key splits. At decode
 there are too few (token, head block) programs to fill the GPU, so each token's keys are also split across programs
-(flash-decoding): every split writes its unnormalized sum with its running max and denominator, and a few torch ops
-merge them and add the sink. With a single split the kernel adds the sink itself and writes the output.
+(flash-decoding): every split writes its unnormalized sum with its running max and denominator, and one more kernel
+merges them and adds the sink (``_merge_kernel``; a dozen torch ops otherwise, per layer and step). With a single split the kernel adds the sink itself and writes the output.
 Head blocks are at least 16 rows (tl.dot's minimum; missing heads are masked), and on the GPU the probabilities are
 rounded to the pool's dtype for the second dot, the usual flash-attention trade (the interpreter stays in fp32).
 
@@ -110,6 +110,31 @@ def _attention_kernel(q_ptr, stride_qt, stride_qh, a_ptr, stride_a, ia_ptr, stri
 
 
 @triton.jit
+def _merge_kernel(part_ptr, stat_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh, num_heads, total, sink_scale,
+                  D: tl.constexpr, SPLITS: tl.constexpr):
+    """One (token, head): ``sum_s 2^(m_s - top) acc_s / (sum_s 2^(m_s - top) l_s + 2^(sink - top))``, where
+    ``top`` is the largest of the splits' maxima and the sink (all in log2 units); ``part`` is [T, H, total, D] and
+    ``stat`` [2, T, H, total], both fp32 and contiguous."""
+    token, head = tl.program_id(0), tl.program_id(1)
+    row = token * num_heads + head
+    offs_s = tl.arange(0, SPLITS)
+    s_ok = offs_s < total
+    m = tl.load(stat_ptr + row * total + offs_s, mask=s_ok, other=float("-inf"))
+    l = tl.load(stat_ptr + (tl.num_programs(0) * num_heads + row) * total + offs_s, mask=s_ok, other=0.0)
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * sink_scale
+    top = tl.maximum(tl.max(m, axis=0), sink)
+    denominator = tl.sum(tl.where(s_ok, l * tl.exp2(m - top), 0.0), axis=0) + tl.exp2(sink - top)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros((D,), dtype=tl.float32)
+    s = 0
+    while s < total:  # a while loop: the interpreter's range() wants a constexpr bound (see _attend)
+        weight = tl.exp2(tl.load(stat_ptr + row * total + s) - top)
+        acc += weight * tl.load(part_ptr + (row * total + s) * D + offs_d)
+        s += 1
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, (acc / denominator).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _indexer_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, k_ptr, stride_k, c_ptr, stride_ct, stride_cc,
                     out_ptr, stride_ot, H, C, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
                     TILES: tl.constexpr, NATIVE: tl.constexpr, PRECISION: tl.constexpr):
@@ -191,16 +216,10 @@ def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, split
             sinks, out, out.stride(0), out.stride(1), part, stat, num_heads, total, g * splits, scale * LOG2E,
             D=dim, BLOCK_H=block_h, BLOCK_N=block_n, HAS_B=len(group) == 2, FINAL=final,
             num_warps=8 if row_bytes >= 512 else 4, num_stages=2, **options)
-    if final:
-        return out
-    # merge the splits: each carries sum(2^(s - m) v), its max m and denominator l (log2 units)
-    m, l = stat[0], stat[1]
-    sink = sinks.float().view(1, num_heads) * LOG2E
-    top = torch.maximum(m.amax(dim=-1), sink)
-    weight = torch.exp2(m - top.unsqueeze(-1))
-    denominator = (l * weight).sum(dim=-1) + torch.exp2(sink - top)
-    merged = torch.einsum("thsd,ths->thd", part, weight / denominator.unsqueeze(-1))
-    return out.copy_(merged)
+    if not final:  # each split carries sum(2^(s - m) v), its max m and denominator l (log2 units)
+        _merge_kernel[(num_tokens, num_heads)](part, stat, sinks, out, out.stride(0), out.stride(1), num_heads, total,
+                                               LOG2E, D=dim, SPLITS=triton.next_power_of_2(total))
+    return out
 
 
 def indexer_scores(q, weights, keys, candidates):
