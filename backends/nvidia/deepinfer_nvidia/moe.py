@@ -12,10 +12,12 @@ w1 and w3 share one launch: each block reads its activation tile once for both w
 ``swiglu(gate, up)`` (``deepinfer.core.ops``). w2 reads those rows in expert order and writes each result to its
 (token, slot) row, so the top-k sum is a plain reduction rather than a scatter.
 
-MXFP4: Hopper has no FP4 tensor cores, so each 64-column tile of e2m1 codes is decoded (bit manipulation, no float
-math) and multiplied by its weight scales (one power of two per 32), which is exact in bf16; the FP8-rounded
-activations are multiplied by theirs (one per ``activation_block``), exact in bf16 too. One bf16 MMA per tile with
-fp32 accumulation then gives the reference's result up to fp32 summation order.
+MXFP4: Hopper has no FP4 tensor cores, so each tile of e2m1 codes is decoded (bit manipulation, no float math) and
+multiplied by its weight scales (one power of two per 32), which is exact in bf16; the FP8-rounded activations are
+multiplied by theirs (one per ``activation_block``), exact in bf16 too. One bf16 MMA per tile with fp32
+accumulation then gives the reference's result up to fp32 summation order. The decode makes this kernel bound by
+arithmetic rather than bandwidth, and a decode step has few (expert, column tile) programs, so its tile sizes,
+warps and pipeline depth are autotuned per (N, K, rows per block), in the eager run that precedes a graph capture.
 
 Float weights: the reference (``project``) multiplies in fp32. Here activations are rounded to the weight's dtype
 for its tensor cores, with fp32 accumulation; for bf16/fp16 weights that rounds SwiGLU's fp32 output (and ``x`` if
@@ -24,7 +26,9 @@ its dtype differs), fp32 weights get a full-precision dot rather than TF32.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 import torch
 import triton
@@ -47,11 +51,12 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _e2m1(code):
-    """fp32 value of 4-bit e2m1 codes (bit 3 the sign; 0, 0.5, 1, 1.5, 2, 3, 4, 6), built as bits: no float math."""
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    magnitude = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
-    return (magnitude | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    """fp32 value of 4-bit e2m1 codes (bit 3 the sign; 0, 0.5, 1, 1.5, 2, 3, 4, 6), built as bits: no float math.
+    The three magnitude bits placed at fp32's exponent/mantissa boundary, plus 126 in the exponent, are the value
+    for codes 2..7; codes 0 and 1 (zero and the subnormal 0.5) are set apart."""
+    magnitude = code & 7
+    bits = tl.where(magnitude < 2, magnitude * 0x3F000000, (magnitude << 22) + 0x3F000000)
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -183,6 +188,24 @@ def _grid(blocks, n):
     return (len(blocks[0]), triton.cdiv(n, bn)), bn
 
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _tuned_fp4_experts():
+    """The MXFP4 kernel autotuned once per (N, K, rows per block, fused w1/w3): column tile, K tile, warps,
+    stages."""
+    shapes = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (32, 256, 4, 2),
+              (64, 256, 8, 2), (16, 128, 4, 4)]
+    configs = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in shapes]
+
+    def fitting(configs, named_args, **kwargs):  # K tiles must divide K
+        return [c for c in configs if named_args["K"] % c.kwargs["BK"] == 0] or configs[:1]
+
+    return triton.autotune(configs=configs, key=["N", "K", "BLOCK_M", "SWIGLU"],
+                           prune_configs_by={"early_config_prune": fitting})(_fp4_experts_kernel)
+
+
 def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, v=None, v_scale=None, limit=0.0):
     """fp32 [len(out_rows), N]: rows of ``a`` (FP8-rounded here) times w, or swiglu of w and v when v is given."""
     aq, sa = act_quant(a.contiguous(), activation_block)
@@ -191,11 +214,16 @@ def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, 
     swiglu = v is not None
     scales = w_scale.view(torch.uint8)  # read as exponents in the kernel: no fp32 copy of every expert's scales
     v, v_scale = (v, v_scale.view(torch.uint8)) if swiglu else (w, scales)
-    grid, bn = _grid(blocks, n)
-    _fp4_experts_kernel[grid](aq, sa, a_rows, w, v, scales, v_scale, out, out_rows, *blocks, n, limit, aq.stride(0),
-                              sa.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1),
-                              out.stride(0), K=2 * w.shape[2], ACT_BLOCK=activation_block, BLOCK_M=bm, BN=bn,
-                              BK=64 if w.shape[2] % 32 == 0 else 32, SWIGLU=swiglu, NATIVE=a.device.type == "cuda")
+
+    def grid(meta):
+        return len(blocks[0]), triton.cdiv(n, meta["BN"])
+
+    # the interpreter cannot time configurations: it runs one
+    kernel, tiles = ((_fp4_experts_kernel, {"BN": _grid(blocks, n)[1], "BK": 64 if w.shape[2] % 32 == 0 else 32})
+                     if _INTERPRETED or a.device.type != "cuda" else (_tuned_fp4_experts(), {}))
+    kernel[grid](aq, sa, a_rows, w, v, scales, v_scale, out, out_rows, *blocks, n, limit, aq.stride(0), sa.stride(0),
+                 w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), K=2 * w.shape[2],
+                 ACT_BLOCK=activation_block, BLOCK_M=bm, SWIGLU=swiglu, NATIVE=a.device.type == "cuda", **tiles)
     return out
 
 
