@@ -49,7 +49,8 @@ def _deepinfer(args, batch: int):
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch, 1),
               quantization=args.quantization, load_format=args.load_format, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_dtype=args.kv_cache_dtype)
 
     def generate(prompts, output_len: int) -> int:
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -175,6 +176,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights in the formats config.json declares, no weight files read")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: attention rows in DeepSeek-V4's 584-byte FP8 layout")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")

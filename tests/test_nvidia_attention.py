@@ -18,6 +18,7 @@ assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Tri
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
+from deepinfer.core.fp8_kv import PAGE_BYTES, FP8Rows, pages_for  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.sparse_attention import TritonAttention, sparse_attention  # noqa: E402
@@ -73,6 +74,34 @@ def test_sparse_attention_matches_the_reference(tokens, heads, dim, widths, rows
     assert ours.dtype == dtype and ours.shape == q.shape and torch.isfinite(ours).all()
     assert torch.all(ours[tokens // 2] == 0)
     assert torch.all((ours.float() - reference.float()).abs() <= _tolerance(reference, dtype))
+
+
+@pytest.mark.parametrize("tokens, widths, splits", [(3, (20, 70), None), (2, (33,), 3)])
+def test_fp8_pools_read_like_the_reference(tokens, widths, splits):
+    """Keys in the FP8 KV layout: the kernel decodes them where it gathers them; the reference reads the same
+    rows dequantized (indexing ``FP8Rows``)."""
+    g = torch.Generator().manual_seed(tokens)
+    heads, rows = 16, 130
+    q = torch.randn(tokens, heads, 512, generator=g).to(torch.bfloat16).to(DEVICE)
+    sources = []
+    for width in widths:
+        pool = FP8Rows(torch.zeros(pages_for(rows), PAGE_BYTES, dtype=torch.uint8, device=DEVICE))
+        scales = torch.exp2(torch.randint(-4, 4, (rows, 1), generator=g).float())
+        pool.write(torch.arange(rows, device=DEVICE), (torch.randn(rows, 512, generator=g) * scales).to(DEVICE))
+        sources.append((pool, _indices(tokens, width, rows, g).to(DEVICE)))
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    ours = sparse_attention(q, sources, sinks, 512**-0.5, splits=splits)
+    reference = REFERENCE.sparse_attention(q, sources, sinks, 512**-0.5)
+    assert torch.all((ours.float() - reference.float()).abs() <= _tolerance(reference, torch.bfloat16))
+
+
+def test_fp8_and_row_pools_do_not_mix():
+    pool = FP8Rows(torch.zeros(1, PAGE_BYTES, dtype=torch.uint8, device=DEVICE))
+    rows = torch.zeros(8, 512, dtype=torch.bfloat16, device=DEVICE)
+    idx = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="not both"):
+        sparse_attention(torch.zeros(1, 16, 512, dtype=torch.bfloat16, device=DEVICE), [(pool, idx), (rows, idx)],
+                         torch.zeros(16, device=DEVICE), 0.1)
 
 
 def test_the_backend_object_splits_short_decode_rows_itself():

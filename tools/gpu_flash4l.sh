@@ -35,7 +35,8 @@ export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
 if has tests; then
     stamp tests
     timeout 300 python -m pytest -q -x tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
-        tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py 2>&1 | tail -15
+        tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py \
+        tests/test_fp8_kv_cache.py 2>&1 | tail -15
 fi
 if has quicktests; then  # the tests of what changes most often
     stamp quicktests
@@ -95,6 +96,7 @@ if has small; then
     latency b1 --batch-size 1 --input-len 512 --output-len 64 --compare-hf
     latency b1_eager --batch-size 1 --input-len 512 --output-len 64 --enforce-eager
     latency b16 --batch-size 16 --input-len 512 --output-len 64 --compare-hf
+    latency b16_fp8kv --batch-size 16 --input-len 512 --output-len 64 --kv-cache-dtype fp8
     # the same without overlapping host work (issue 7): the step_ms breakdown says where the time went
     DEEPINFER_ASYNC_SCHEDULING=0 latency b1_sync --batch-size 1 --input-len 512 --output-len 64
     DEEPINFER_ASYNC_SCHEDULING=0 latency b16_sync --batch-size 16 --input-len 512 --output-len 64

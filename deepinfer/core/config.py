@@ -12,6 +12,8 @@ _DEVICES = ("auto", "cpu", "cuda", "npu")
 _QUANTIZATION = ("auto", "none")
 # auto: read the checkpoint; dummy: random weights in the released formats, for benchmarks without files
 _LOAD_FORMATS = ("auto", "dummy")
+# auto: attention KV rows in the model's dtype; fp8: DeepSeek-V4's FP8 layout (deepinfer.core.fp8_kv), 584 bytes a row
+_KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(slots=True)
@@ -30,6 +32,7 @@ class EngineConfig:
     block_size: int | None = None
     num_cache_tokens: int | None = None
     kv_cache_memory_gb: float = 4.0
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
 
@@ -39,6 +42,9 @@ class EngineConfig:
         if self.quantization not in _QUANTIZATION:
             raise ValueError(f"quantization must be one of {_QUANTIZATION} ('none' dequantizes FP8/MXFP4 weights to "
                              f"dtype when loading), got {self.quantization!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES} (fp8: DeepSeek-V4's 584-byte FP8 "
+                             f"attention rows), got {self.kv_cache_dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.device not in _DEVICES and not str(self.device).startswith(("cuda:", "npu:")):

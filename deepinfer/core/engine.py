@@ -104,7 +104,7 @@ class LLMEngine:
 
     def _build_caches(self) -> None:
         c, mc = self.config, self.model_config
-        kinds = self.model.cache_kinds()
+        kinds = self.model.cache_kinds(kv_fp8=c.kv_cache_dtype == "fp8")
         overlaps = self.model.compressed_ratios()
         ratios = list(overlaps)
         lcm = math.lcm(*ratios) if ratios else 1

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.core import fp8_kv
+
 
 @dataclass(frozen=True, slots=True)
 class Pool:
@@ -21,6 +23,7 @@ class Pool:
     layers: tuple[int, ...]
     width: int
     dtype: torch.dtype
+    fp8: bool = False  # rows stored in DeepSeek-V4's FP8 layout (``fp8_kv``); reading them gives ``dtype``
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +58,8 @@ def compressor_state_kind(name: str, ratio: int, overlap: int, pools: tuple[Pool
 
 
 class KVCache:
-    """The tensors: for each (kind, pool), ``[layers in pool, blocks * rows_per_block + 1, width]``.
+    """The tensors: for each (kind, pool), ``[layers in pool, blocks * rows_per_block + 1, width]``, or for an FP8
+    pool ``[layers, pages, fp8_kv.PAGE_BYTES]`` bytes holding as many rows (``pool`` gives ``fp8_kv.FP8Rows``).
 
     The last row of every pool belongs to no block: padded tokens of a CUDA-graph batch write there.
     """
@@ -65,6 +69,7 @@ class KVCache:
         self.kinds = {k.name: k for k in kinds}
         self._tensors: dict[tuple[str, str], torch.Tensor] = {}
         self._layer_index: dict[tuple[str, str], dict[int, int]] = {}
+        self._fp8: dict[tuple[str, str], bool] = {}
         self.scratch_rows: dict[str, int] = {}
         for kind in kinds:
             if block_size % kind.tokens_per_row:
@@ -73,15 +78,24 @@ class KVCache:
             self.scratch_rows[kind.name] = rows - 1
             for pool in kind.pools:
                 key = (kind.name, pool.name)
-                self._tensors[key] = torch.zeros(len(pool.layers), rows, pool.width, dtype=pool.dtype, device=device)
+                if pool.fp8:
+                    if pool.width != fp8_kv.WIDTH:
+                        raise ValueError(f"{kind.name}/{pool.name}: the FP8 KV layout holds {fp8_kv.WIDTH}-wide rows, "
+                                         f"this pool's are {pool.width}")
+                    shape, dtype = (fp8_kv.pages_for(rows), fp8_kv.PAGE_BYTES), torch.uint8
+                else:
+                    shape, dtype = (rows, pool.width), pool.dtype
+                self._tensors[key] = torch.zeros(len(pool.layers), *shape, dtype=dtype, device=device)
+                self._fp8[key] = pool.fp8
                 self._layer_index[key] = {layer: i for i, layer in enumerate(pool.layers)}
 
     def rows_per_block(self, kind: str) -> int:
         return self.block_size // self.kinds[kind].tokens_per_row
 
-    def pool(self, kind: str, name: str, layer: int) -> torch.Tensor:
+    def pool(self, kind: str, name: str, layer: int) -> torch.Tensor | fp8_kv.FP8Rows:
         key = (kind, name)
-        return self._tensors[key][self._layer_index[key][layer]]
+        rows = self._tensors[key][self._layer_index[key][layer]]
+        return fp8_kv.FP8Rows(rows) if self._fp8[key] else rows
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
@@ -89,4 +103,8 @@ class KVCache:
 
 def bytes_per_block(kind: CacheKind, block_size: int) -> int:
     rows = block_size // kind.tokens_per_row
-    return sum(rows * p.width * len(p.layers) * torch.empty((), dtype=p.dtype).element_size() for p in kind.pools)
+
+    def row_bytes(p: Pool) -> int:
+        return fp8_kv.TOKEN_BYTES if p.fp8 else p.width * torch.empty((), dtype=p.dtype).element_size()
+
+    return sum(rows * row_bytes(p) * len(p.layers) for p in kind.pools)

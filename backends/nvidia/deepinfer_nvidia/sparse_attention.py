@@ -27,23 +27,53 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.core import fp8_kv
 from deepinfer.core.ops import select_topk
 
 LOG2E = math.log2(math.e)
 MIN_TILES_PER_SPLIT = 4  # below this a split writes about as many partial bytes as it reads key bytes
 MAX_CANDIDATE_TILES = 8  # indexer tiles per program (a constexpr: at most 8 variants) amortize its q load
+# the FP8 KV layout (deepinfer.core.fp8_kv), as constants the kernels fold in
+FP8_PAGE, FP8_PAGE_BYTES = tl.constexpr(fp8_kv.PAGE), tl.constexpr(fp8_kv.PAGE_BYTES)
+FP8_ROW_BYTES, FP8_SCALE_BYTES = tl.constexpr(fp8_kv.ROW_BYTES), tl.constexpr(fp8_kv.SCALE_BYTES)
+FP8_NOPE, FP8_TILE = tl.constexpr(fp8_kv.D_NOPE), tl.constexpr(fp8_kv.TILE)
 
 
 @triton.jit
-def _attend_tile(q, m, l, acc, pool_ptr, stride_pool, idx_ptr, stride_ik, count, first, offs_n, offs_d, qk_scale,
-                 NATIVE: tl.constexpr, PRECISION: tl.constexpr):
+def _fp8_keys(pool_ptr, bytes_ptr, idx, valid, offs_d):
+    """Rows ``idx`` of an FP8 pool (``deepinfer.core.fp8_kv``) as fp32: e4m3 NoPE channels times their tile's
+    power of two, then the bf16 RoPE channels (read as byte pairs and widened exactly)."""
+    row = tl.where(valid, idx, 0).to(tl.int64)
+    base = (row // FP8_PAGE) * FP8_PAGE_BYTES
+    data = base + (row % FP8_PAGE) * FP8_ROW_BYTES
+    scales = base + FP8_PAGE * FP8_ROW_BYTES + (row % FP8_PAGE) * FP8_SCALE_BYTES
+    nope = offs_d < FP8_NOPE
+    nope_ok = valid[:, None] & nope[None, :]
+    rope_ok = valid[:, None] & (offs_d >= FP8_NOPE)[None, :]
+    values = tl.load(pool_ptr + data[:, None] + offs_d[None, :], mask=nope_ok, other=0.0).to(tl.float32)
+    exponent = tl.load(bytes_ptr + scales[:, None] + offs_d[None, :] // FP8_TILE, mask=nope_ok, other=127)
+    rope_at = data[:, None] + FP8_NOPE + 2 * (offs_d[None, :] - FP8_NOPE)
+    low = tl.load(bytes_ptr + rope_at, mask=rope_ok, other=0).to(tl.int32)
+    high = tl.load(bytes_ptr + rope_at + 1, mask=rope_ok, other=0).to(tl.int32)
+    rope = ((high << 24) | (low << 16)).to(tl.float32, bitcast=True)  # bf16 bits are fp32's upper half
+    return tl.where(nope[None, :], values * tl.exp2(exponent.to(tl.float32) - 127), rope)
+
+
+@triton.jit
+def _attend_tile(q, m, l, acc, pool_ptr, bytes_ptr, stride_pool, idx_ptr, stride_ik, count, first, offs_n, offs_d,
+                 qk_scale, NATIVE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step over keys ``first ..`` of one source's index list (scores in log2 units)."""
     j = first + offs_n
     idx = tl.load(idx_ptr + j * stride_ik, mask=j < count, other=-1)
     valid = idx >= 0
-    keys = tl.load(pool_ptr + idx[:, None] * stride_pool + offs_d[None, :], mask=valid[:, None], other=0.0)
-    if not NATIVE:  # Triton's interpreter has no bf16 arithmetic
-        keys = keys.to(tl.float32)
+    if FP8:
+        keys = _fp8_keys(pool_ptr, bytes_ptr, idx, valid, offs_d)
+        if NATIVE:
+            keys = keys.to(tl.bfloat16)
+    else:
+        keys = tl.load(pool_ptr + idx[:, None] * stride_pool + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if not NATIVE:  # Triton's interpreter has no bf16 arithmetic
+            keys = keys.to(tl.float32)
     s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -55,28 +85,28 @@ def _attend_tile(q, m, l, acc, pool_ptr, stride_pool, idx_ptr, stride_ik, count,
 
 
 @triton.jit
-def _attend(q, m, l, acc, pool_ptr, stride_pool, idx_ptr, stride_ik, count, tiles, split, offs_n, offs_d,
-            qk_scale, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PRECISION: tl.constexpr):
+def _attend(q, m, l, acc, pool_ptr, bytes_ptr, stride_pool, idx_ptr, stride_ik, count, tiles, split, offs_n, offs_d,
+            qk_scale, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """This split's ``tiles`` tiles of one source."""
     if NATIVE:
         for i in range(tiles):
-            m, l, acc = _attend_tile(q, m, l, acc, pool_ptr, stride_pool, idx_ptr, stride_ik, count,
-                                     (split * tiles + i) * BLOCK_N, offs_n, offs_d, qk_scale, NATIVE, PRECISION)
+            m, l, acc = _attend_tile(q, m, l, acc, pool_ptr, bytes_ptr, stride_pool, idx_ptr, stride_ik, count,
+                                     (split * tiles + i) * BLOCK_N, offs_n, offs_d, qk_scale, NATIVE, PRECISION, FP8)
     else:  # under numpy 2 the interpreter's range() rejects a bound that is not a constexpr; while works
         i = 0
         while i < tiles:
-            m, l, acc = _attend_tile(q, m, l, acc, pool_ptr, stride_pool, idx_ptr, stride_ik, count,
-                                     (split * tiles + i) * BLOCK_N, offs_n, offs_d, qk_scale, NATIVE, PRECISION)
+            m, l, acc = _attend_tile(q, m, l, acc, pool_ptr, bytes_ptr, stride_pool, idx_ptr, stride_ik, count,
+                                     (split * tiles + i) * BLOCK_N, offs_n, offs_d, qk_scale, NATIVE, PRECISION, FP8)
             i += 1
     return m, l, acc
 
 
 @triton.jit
-def _attention_kernel(q_ptr, stride_qt, stride_qh, a_ptr, stride_a, ia_ptr, stride_iat, stride_iak, count_a, tiles_a,
-                      b_ptr, stride_b, ib_ptr, stride_ibt, stride_ibk, count_b, tiles_b, sink_ptr, out_ptr,
-                      stride_ot, stride_oh, part_ptr, stat_ptr, H, splits_total, split_base, qk_scale,
+def _attention_kernel(q_ptr, stride_qt, stride_qh, a_ptr, a_bytes_ptr, stride_a, ia_ptr, stride_iat, stride_iak, count_a,
+                      tiles_a, b_ptr, b_bytes_ptr, stride_b, ib_ptr, stride_ibt, stride_ibk, count_b, tiles_b, sink_ptr,
+                      out_ptr, stride_ot, stride_oh, part_ptr, stat_ptr, H, splits_total, split_base, qk_scale,
                       D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_B: tl.constexpr,
-                      FINAL: tl.constexpr, NATIVE: tl.constexpr, PRECISION: tl.constexpr):
+                      FINAL: tl.constexpr, NATIVE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # token * stride overflows int32 in long prefills
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -85,16 +115,19 @@ def _attention_kernel(q_ptr, stride_qt, stride_qh, a_ptr, stride_a, ia_ptr, stri
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None],
                 other=0.0)
-    q = q.to(a_ptr.dtype.element_ty) if NATIVE else q.to(tl.float32)
+    if FP8:  # keys are widened to bf16 for the dots
+        q = q.to(tl.bfloat16) if NATIVE else q.to(tl.float32)
+    else:
+        q = q.to(a_ptr.dtype.element_ty) if NATIVE else q.to(tl.float32)
     # finite start: a row with no valid key then gets exp2(-inf - m) = 0, never -inf - -inf = NaN
     m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
-    m, l, acc = _attend(q, m, l, acc, a_ptr, stride_a, ia_ptr + token * stride_iat, stride_iak, count_a, tiles_a,
-                        split, offs_n, offs_d, qk_scale, BLOCK_N, NATIVE, PRECISION)
+    m, l, acc = _attend(q, m, l, acc, a_ptr, a_bytes_ptr, stride_a, ia_ptr + token * stride_iat, stride_iak, count_a,
+                        tiles_a, split, offs_n, offs_d, qk_scale, BLOCK_N, NATIVE, PRECISION, FP8)
     if HAS_B:
-        m, l, acc = _attend(q, m, l, acc, b_ptr, stride_b, ib_ptr + token * stride_ibt, stride_ibk, count_b, tiles_b,
-                            split, offs_n, offs_d, qk_scale, BLOCK_N, NATIVE, PRECISION)
+        m, l, acc = _attend(q, m, l, acc, b_ptr, b_bytes_ptr, stride_b, ib_ptr + token * stride_ibt, stride_ibk,
+                            count_b, tiles_b, split, offs_n, offs_d, qk_scale, BLOCK_N, NATIVE, PRECISION, FP8)
     if FINAL:
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
         top = tl.maximum(m, sink)
@@ -178,19 +211,34 @@ def _launch_options(dtype: torch.dtype, device: torch.device) -> dict:
     return {"NATIVE": device.type == "cuda", "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
 
 
+def _pool_args(pool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(values pointer, bytes pointer, row stride) of a pool as the kernel reads it."""
+    if isinstance(pool, fp8_kv.FP8Rows):
+        return pool.data.view(torch.float8_e4m3fn), pool.data, 0
+    pool = _unit_rows(pool)
+    return pool, pool, pool.stride(0)
+
+
 def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, splits: int | None = None):
-    """The protocol's ``sparse_attention``; ``block_h`` and ``splits`` override the tiling (tests use them)."""
+    """The protocol's ``sparse_attention``; ``block_h`` and ``splits`` override the tiling (tests use them). Pools
+    are row tensors or FP8 rows (``deepinfer.core.fp8_kv``), not both in one call."""
     num_tokens, num_heads, dim = q.shape
     _check_dim(dim, "the attention head dim")
-    q, sources = _unit_rows(q), [(_unit_rows(pool), idx) for pool, idx in sources]
+    q = _unit_rows(q)
     if len({pool.dtype for pool, _ in sources}) != 1:
         raise ValueError("all key pools of one attention call must share a dtype")
+    fp8 = {isinstance(pool, fp8_kv.FP8Rows) for pool, _ in sources}
+    if len(fp8) != 1:
+        raise ValueError("an attention call reads FP8 pools or row tensors, not both")
+    fp8 = fp8.pop()
+    if fp8 and dim != fp8_kv.WIDTH:
+        raise ValueError(f"FP8 pools hold {fp8_kv.WIDTH}-wide rows; the queries are {dim} wide")
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
     # tiles sized by a row's bytes: bf16 rows of 512 get 32 heads (a 64 KiB fp32 accumulator) and 32-key tiles;
     # fp32 pools (tests, debugging) halve both to stay within shared memory
-    row_bytes = dim * sources[0][0].element_size()
+    row_bytes = dim * (2 if fp8 else sources[0][0].element_size())  # FP8 rows are widened to bf16 tiles
     widest = 64 if row_bytes <= 512 else 32 if row_bytes <= 1024 else 16
     block_h = block_h or min(max(16, triton.next_power_of_2(num_heads)), widest)
     block_n = max(16, min(64, 32768 // row_bytes))
@@ -211,10 +259,10 @@ def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, split
         (a, ia), (b, ib) = group[0], group[-1]  # a lone source passes itself twice, and HAS_B drops the copy
         tiles_a, tiles_b = (triton.cdiv(triton.cdiv(idx.shape[1], block_n), splits) for idx in (ia, ib))
         _attention_kernel[(num_tokens, head_blocks, splits)](
-            q, q.stride(0), q.stride(1), a, a.stride(0), ia, ia.stride(0), ia.stride(1), ia.shape[1], tiles_a,
-            b, b.stride(0), ib, ib.stride(0), ib.stride(1), ib.shape[1], tiles_b,
+            q, q.stride(0), q.stride(1), *_pool_args(a), ia, ia.stride(0), ia.stride(1), ia.shape[1], tiles_a,
+            *_pool_args(b), ib, ib.stride(0), ib.stride(1), ib.shape[1], tiles_b,
             sinks, out, out.stride(0), out.stride(1), part, stat, num_heads, total, g * splits, scale * LOG2E,
-            D=dim, BLOCK_H=block_h, BLOCK_N=block_n, HAS_B=len(group) == 2, FINAL=final,
+            D=dim, BLOCK_H=block_h, BLOCK_N=block_n, HAS_B=len(group) == 2, FINAL=final, FP8=fp8,
             num_warps=8 if row_bytes >= 512 else 4, num_stages=2, **options)
     if not final:  # each split carries sum(2^(s - m) v), its max m and denominator l (log2 units)
         _merge_kernel[(num_tokens, num_heads)](part, stat, sinks, out, out.stride(0), out.stride(1), num_heads, total,

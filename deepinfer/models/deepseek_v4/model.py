@@ -93,14 +93,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         c = self.config
         return {r: 2 if r == c.csa_ratio else 1 for r in set(c.compress_ratios) if r}
 
-    def cache_kinds(self) -> list[CacheKind]:
+    def cache_kinds(self, kv_fp8: bool = False) -> list[CacheKind]:
+        """``kv_fp8``: the attention rows (window and compressed entries) in DeepSeek-V4's FP8 layout."""
         c = self.config
         all_layers = tuple(range(c.num_layers))
-        kinds = [sliding_kind("swa", c.window, (Pool("kv", all_layers, c.head_dim, self.dtype),))]
+        kinds = [sliding_kind("swa", c.window, (Pool("kv", all_layers, c.head_dim, self.dtype, fp8=kv_fp8),))]
         for ratio in sorted(set(c.compress_ratios) - {0}):
             layers = tuple(i for i, r in enumerate(c.compress_ratios) if r == ratio)
             overlap = 2 if ratio == c.csa_ratio else 1
-            entries = [Pool("kv", layers, c.head_dim, self.dtype)]
+            entries = [Pool("kv", layers, c.head_dim, self.dtype, fp8=kv_fp8)]
             state = [Pool("kv", layers, 2 * overlap * c.head_dim, torch.float32)]
             if ratio == c.csa_ratio:
                 entries.append(Pool("index", layers, c.index_head_dim, self.dtype))

@@ -147,7 +147,10 @@ class DeepseekV41ForCausalLM(nn.Module):
     def token_history(self) -> int:
         return self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
 
-    def cache_kinds(self) -> list[CacheKind]:
+    def cache_kinds(self, kv_fp8: bool = False) -> list[CacheKind]:
+        if kv_fp8:  # its rows are 512 wide too, but its compressed entries are NVFP4-rounded: another layout
+            raise ValueError("kv_cache_dtype='fp8' (DeepSeek-V4's FP8 KV layout) serves the DeepSeek-V4 family; "
+                             "V4.1's cache layout has no FP8 form yet: use kv_cache_dtype='auto'")
         c = self.config
         kinds = [sliding_kind("swa", c.window, (Pool("kv", tuple(range(c.num_layers)), c.head_dim, self.dtype),))]
         for ratio in sorted(self.compressed_ratios()):
