@@ -11,7 +11,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.core import fp8_kv
 from deepinfer.core.fp8_kv import FP8Rows
-from deepinfer.models.deepseek_v4 import attention
+from deepinfer.plugins.builtin.torch_attention import TorchAttention
 from deepinfer.testing.tiny_v4 import build_tiny_v4
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
@@ -44,7 +44,7 @@ def test_fp8_rows_read_back_what_rounding_the_rows_gives(wide_v4, monkeypatch):
             rows = fp8_kv.dequantize(*fp8_kv.quantize(rows))
         pool.index_copy_(0, slots, rows.to(pool.dtype))
 
-    monkeypatch.setattr(attention, "store", rounded_store)
+    monkeypatch.setattr(TorchAttention, "store_rows", lambda self, pool, slots, rows: rounded_store(pool, slots, rows))
     rounded_llm, rounded = _run(wide_v4)
     assert fp8 == rounded
     # a third of the plain cache's bytes for these pools: the FP8 one is smaller overall

@@ -194,3 +194,23 @@ def test_cuda_graph_replays_on_new_inputs(tokens):
     visible = expected > float("-inf")
     assert torch.equal(scores > float("-inf"), visible)
     assert torch.all((scores[visible] - expected[visible]).abs() <= 1e-5 * expected[visible].abs().amax())
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_fp8_store_writes_the_reference_bytes(rows):
+    """One Triton program per row writes exactly the bytes ``fp8_kv.store`` does: values, exponents, RoPE, pad."""
+    g = torch.Generator().manual_seed(rows)
+    scales = torch.exp2(torch.randint(-12, 12, (rows, 1), generator=g).float())
+    values = torch.randn(rows, 512, generator=g) * scales
+    values[0, :64] = 0  # an all-zero tile takes the 1e-4 floor
+    values[0, 64:128] = 448 * 2.0**-3  # amax / 448 exactly a power of two: no rounding up
+    values = values.to(torch.bfloat16).to(DEVICE)
+    slots = torch.randperm(130, generator=g)[:rows].to(DEVICE)
+
+    def pool():
+        return FP8Rows(torch.full((pages_for(130), PAGE_BYTES), 0xA5, dtype=torch.uint8, device=DEVICE))
+
+    ours, reference = pool(), pool()
+    TritonAttention().store_rows(ours, slots, values)
+    REFERENCE.store_rows(reference, slots, values)
+    assert torch.equal(ours.data, reference.data)

@@ -31,9 +31,14 @@ class AttentionBackend(Protocol):
         """One softmax per (token, head) over the union of keys named by ``sources``.
 
         ``q`` is [T, H, D]. Each source is ``(rows [N, D], indices [T, K])``: key j of query t
-        is ``rows[indices[t, j]]`` and is also its value (K = V). ``sinks`` [H] (fp32) enters
-        only the softmax denominator. Returns [T, H, D] in ``q``'s dtype.
+        is ``rows[indices[t, j]]`` and is also its value (K = V). ``rows`` is a tensor or, with
+        ``kv_cache_dtype="fp8"``, ``deepinfer.core.fp8_kv.FP8Rows`` (indexing it dequantizes).
+        ``sinks`` [H] (fp32) enters only the softmax denominator. Returns [T, H, D] in ``q``'s dtype.
         """
+
+    def store_rows(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes ``rows`` [n, D] at ``slots`` [n] (all valid) of a cache pool the attention reads: a row tensor
+        (in its dtype) or ``FP8Rows`` (quantized; ``deepinfer.core.fp8_kv.store`` is the reference)."""
 
     def indexer_topk(
         self,

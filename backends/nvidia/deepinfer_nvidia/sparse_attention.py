@@ -29,6 +29,7 @@ import triton.language as tl
 
 from deepinfer.core import fp8_kv
 from deepinfer.core.ops import select_topk
+from deepinfer_nvidia.kv_store import store_rows
 
 LOG2E = math.log2(math.e)
 MIN_TILES_PER_SPLIT = 4  # below this a split writes about as many partial bytes as it reads key bytes
@@ -296,6 +297,9 @@ class TritonAttention:
 
     def sparse_attention(self, q, sources, sinks, scale):
         return sparse_attention(q, sources, sinks, scale)
+
+    def store_rows(self, pool, slots, rows):
+        store_rows(pool, slots, rows)
 
     def indexer_scores(self, q, weights, keys, candidates):
         return indexer_scores(q, weights, keys, candidates)

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
-from deepinfer.core.fp8_kv import store
 from deepinfer.core.linear import Linear
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary, unweighted_rms_norm
 from deepinfer.plugins.interfaces import AttentionBackend
@@ -118,7 +117,7 @@ class Attention(nn.Module):
         if meta.close_slots.numel():
             pooled = compressor.pool(state, meta)
             pooled = self.rotary.apply(pooled, self.rotary.phases(meta.close_positions))
-            store(entries, meta.close_slots, pooled)
+            self.backend.store_rows(entries, meta.close_slots, pooled)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, phases, caches) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -128,7 +127,7 @@ class Attention(nn.Module):
         kv = self.rotary.apply(self.kv_norm(self.wkv(x)), phases)
 
         raw = caches.pool("swa", "kv", self.layer_id)
-        store(raw, batch.swa_slots, kv)
+        self.backend.store_rows(raw, batch.swa_slots, kv)
         sources = [(raw, batch.window)]
         if self.ratio:
             meta = batch.compressed[self.ratio]

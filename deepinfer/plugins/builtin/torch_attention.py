@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.core import fp8_kv
 from deepinfer.core.ops import select_topk
 from deepinfer.plugins.hookspecs import hookimpl
 
@@ -20,6 +21,9 @@ def _query_chunks(num_tokens: int, keys_per_query: int, dim: int):
 class TorchAttention:
     name = "torch-reference"
     graph_safe = True
+
+    def store_rows(self, pool, slots, rows):
+        fp8_kv.store(pool, slots, rows)
 
     def sparse_attention(self, q, sources, sinks, scale):
         num_tokens, num_heads, dim = q.shape
