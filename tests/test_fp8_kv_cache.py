@@ -86,3 +86,34 @@ def test_fp8_rows_replay_in_cuda_graphs_as_they_run_eagerly(wide_v4):
     replayed, llm = tokens()
     assert llm.engine.graphs is not None and llm.engine.graphs.graphs
     assert replayed == eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashMLA needs a GPU")
+def test_flashmla_serves_the_fp8_cache_like_the_triton_kernel(tmp_path, monkeypatch):
+    """With 64 heads FlashMLA's sparse decode serves every attention call over the FP8 cache; its first-token
+    logprobs agree with the Triton kernel's on the same cache."""
+    deepseek_kernels = pytest.importorskip("deepinfer_nvidia.deepseek_kernels")
+    sparse_decode, route = deepseek_kernels.flash_mla()
+    if sparse_decode is None:
+        pytest.skip(f"FlashMLA not provisioned: {route}")
+    checkpoint = build_tiny_v4(tmp_path / "heads64", head_dim=512, qk_rope_head_dim=64, num_attention_heads=64,
+                               index_head_dim=128)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sparse_decode(*args, **kwargs)
+
+    def first_logprobs():
+        llm = LLM(str(checkpoint), dtype="bfloat16", device="cuda", kv_cache_dtype="fp8")
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+        return [o.outputs[0].logprobs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    monkeypatch.setattr(deepseek_kernels, "flash_mla", lambda: (counted, route))
+    flashmla = first_logprobs()
+    assert calls
+    monkeypatch.setattr(deepseek_kernels, "flash_mla", lambda: (None, "off for the comparison"))
+    triton_only = first_logprobs()
+    for ours, theirs in zip(flashmla, triton_only):
+        shared = set(ours) & set(theirs)
+        assert shared and all(abs(ours[t].logprob - theirs[t].logprob) < 0.05 for t in shared)

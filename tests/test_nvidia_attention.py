@@ -18,6 +18,7 @@ assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Tri
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
+from deepinfer.core.config import EngineConfig  # noqa: E402
 from deepinfer.core.fp8_kv import PAGE_BYTES, FP8Rows, pages_for  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
@@ -165,8 +166,9 @@ def test_indexer_topk_selects_like_the_reference(tokens, heads, dim, width, rows
 
 
 def test_plugin_answers_only_on_cuda():
-    assert plugin.deepinfer_attention_backend(config=None, device=torch.device("cpu")) is None
-    assert isinstance(plugin.deepinfer_attention_backend(config=None, device=torch.device("cuda")), TritonAttention)
+    config = EngineConfig()
+    assert plugin.deepinfer_attention_backend(config=config, device=torch.device("cpu")) is None
+    assert isinstance(plugin.deepinfer_attention_backend(config=config, device=torch.device("cuda")), TritonAttention)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -214,3 +216,28 @@ def test_fp8_store_writes_the_reference_bytes(rows):
     TritonAttention().store_rows(ours, slots, values)
     REFERENCE.store_rows(reference, slots, values)
     assert torch.equal(ours.data, reference.data)
+
+
+def test_flashmla_is_handed_both_caches_with_padded_int32_indices():
+    """The wiring only (FlashMLA itself is tested on a GPU): a stand-in with FlashMLA's signature reads the caches
+    and index lists it is given through the reference; -1 padding to whole 64-key blocks must not change a thing."""
+    def as_rows(view):  # FP8Rows back from FlashMLA's [pages, 64, 1, 584] view
+        return FP8Rows(torch.as_strided(view, (view.shape[0], PAGE_BYTES), (PAGE_BYTES, 1)).view(torch.uint8))
+
+    def stand_in(q, kv, indices, sinks, scale, extra_kv, extra_indices):
+        assert indices.dtype == torch.int32 and indices.shape[-1] % 64 == 0 and q.shape[1] == 1
+        sources = [(as_rows(extra_kv), extra_indices[:, 0].long()), (as_rows(kv), indices[:, 0].long())]
+        return REFERENCE.sparse_attention(q[:, 0], sources, sinks, scale).unsqueeze(1)
+
+    g = torch.Generator().manual_seed(3)
+    heads, rows = 64, 100
+    q = torch.randn(2, heads, 512, generator=g).to(torch.bfloat16).to(DEVICE)
+    sources = []
+    for width in (30, 9):  # the window, then the compressed entries
+        pool = FP8Rows(torch.zeros(pages_for(rows), PAGE_BYTES, dtype=torch.uint8, device=DEVICE))
+        pool.write(torch.arange(rows, device=DEVICE), torch.randn(rows, 512, generator=g).to(DEVICE))
+        sources.append((pool, _indices(2, width, rows, g).to(DEVICE)))
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    ours = TritonAttention(flash_mla=stand_in).sparse_attention(q, sources, sinks, 0.05)
+    reference = REFERENCE.sparse_attention(q, sources, sinks, 0.05)
+    assert torch.allclose(ours.float(), reference.float(), atol=1e-2, rtol=0)

@@ -66,7 +66,7 @@ latency() {  # name, then bench latency arguments (--model defaults to flash4L)
     local name=$1; shift
     stamp "latency $name"
     timeout 400 "${bench[@]}" latency --model "${model:-/tmp/flash4L}" --load-format dummy --dtype bfloat16 --num-iters-warmup 1 \
-        --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|captured|CUDA graphs" | head -5
+        --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|captured|CUDA graphs|DeepSeek kernels" | head -6
     python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','prefill_tokens_per_second','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_$name.json" 2>&1
 }
 if has profile; then  # kernels per eager decode step at batch 1 and 16
@@ -96,6 +96,8 @@ if has small; then
     latency b1 --batch-size 1 --input-len 512 --output-len 64 --compare-hf
     latency b1_eager --batch-size 1 --input-len 512 --output-len 64 --enforce-eager
     latency b16 --batch-size 16 --input-len 512 --output-len 64 --compare-hf
+    # the FP8 KV cache: FlashMLA serves its attention when build.sh provisioned it (the log says), Triton otherwise
+    latency b1_fp8kv --batch-size 1 --input-len 512 --output-len 64 --kv-cache-dtype fp8
     latency b16_fp8kv --batch-size 16 --input-len 512 --output-len 64 --kv-cache-dtype fp8
     # the same without overlapping host work (issue 7): the step_ms breakdown says where the time went
     DEEPINFER_ASYNC_SCHEDULING=0 latency b1_sync --batch-size 1 --input-len 512 --output-len 64

@@ -33,13 +33,16 @@ def deepinfer_moe_backend(config, device):
 def deepinfer_attention_backend(config, device):
     if device.type != "cuda":
         return None
-    from deepinfer_nvidia.deepseek_kernels import report
+    from deepinfer_nvidia.deepseek_kernels import flash_mla, report
     from deepinfer_nvidia.sparse_attention import TritonAttention
 
-    # FlashMLA's sparse decode reads the FP8 (584-byte) KV layout, which the engine's caches do not use yet; its
-    # kernel is measured side by side (tools/gpu_kernels.py) until then
-    log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; Triton serves attention, MoE and GEMMs")
-    return TritonAttention()
+    sparse_decode, _ = flash_mla()
+    fp8 = config.kv_cache_dtype == "fp8"
+    serves = ("FlashMLA serves attention over the FP8 KV cache (64 or 128 heads), Triton the rest"
+              if sparse_decode is not None and fp8 else
+              "Triton serves attention" + (" (FlashMLA reads only kv_cache_dtype='fp8')" if sparse_decode else ""))
+    log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; {serves}; Triton serves MoE and GEMMs")
+    return TritonAttention(flash_mla=sparse_decode if fp8 else None)
 
 
 @hookimpl

@@ -291,11 +291,37 @@ def indexer_scores(q, weights, keys, candidates):
     return out
 
 
+def _flashmla_serves(q, sources) -> bool:
+    """FlashMLA's sparse decode takes FP8 pools in its layout, one or two of them, and 64 or 128 heads of 512."""
+    return (len(sources) <= 2 and q.shape[1] in (64, 128) and q.shape[2] == fp8_kv.WIDTH
+            and all(isinstance(pool, fp8_kv.FP8Rows) for pool, _ in sources))
+
+
+def _flashmla_attention(sparse_decode, q, sources, sinks, scale):
+    """Each token is a batch entry with one query; index lists are padded with -1 to whole 64-key blocks."""
+    def indices(idx):
+        padded = torch.nn.functional.pad(idx, (0, -idx.shape[1] % 64), value=-1)
+        return padded.to(torch.int32).unsqueeze(1)
+
+    (main, main_idx), extra = sources[-1], sources[0] if len(sources) == 2 else None
+    out = sparse_decode(q.unsqueeze(1), main.flashmla_view(), indices(main_idx), sinks.float(), scale,
+                        extra[0].flashmla_view() if extra else None, indices(extra[1]) if extra else None)
+    return out.squeeze(1)
+
+
 class TritonAttention:
+    """Triton kernels for every call; FlashMLA's sparse decode for the calls it serves (FP8 pools, 64 or 128 heads)
+    where build.sh provisioned it."""
+
     name = "triton"
     graph_safe = True
 
+    def __init__(self, flash_mla=None):
+        self.flash_mla = flash_mla  # deepseek_kernels.flash_mla()'s function, or None
+
     def sparse_attention(self, q, sources, sinks, scale):
+        if self.flash_mla is not None and q.shape[0] and _flashmla_serves(q, sources):
+            return _flashmla_attention(self.flash_mla, q, sources, sinks, scale)
         return sparse_attention(q, sources, sinks, scale)
 
     def store_rows(self, pool, slots, rows):
