@@ -1,0 +1,88 @@
+"""Compile every Triton kernel of this plugin for the H200 (SM90) to a cubin, on any machine (no GPU needed):
+Triton's interpreter, which runs the kernel tests on a CPU, accepts code the compiler rejects (dtype rules, loops,
+casts). ``python -m deepinfer_nvidia.compile_check`` prints one line per kernel and exits 1 if any fails. Run it
+without ``TRITON_INTERPRET``: under the interpreter, ``@triton.jit`` makes no compilable kernels.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from deepinfer_nvidia import fp8_linear, kv_store, mhc, moe
+from deepinfer_nvidia import sparse_attention as attention
+
+SM90 = GPUTarget("cuda", 90, 32)
+ATTENTION_POINTERS = {"q_ptr": "*bf16", "ia_ptr": "*i64", "ib_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+                      "part_ptr": "*fp32", "stat_ptr": "*fp32"}
+EXPERT_POINTERS = {"a_rows_ptr": "*i32", "out_ptr": "*fp32", "out_rows_ptr": "*i32", "block_expert_ptr": "*i32",
+                   "block_start_ptr": "*i32", "block_rows_ptr": "*i32"}
+
+CASES = {
+    "fp8 gemm": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                                                "sw_ptr": "*fp32", "y_ptr": "*bf16"},
+                 {"NUM_BLOCKS": 32, "W_ROW_TILE": 128, "BK": 128, "NATIVE_FP8": True, "BM": 16, "BN": 64}),
+    "activation quant": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                         {"BLOCK": 128, "NATIVE_FP8": True}),
+    "attention bf16": (attention._attention_kernel,
+                       {**ATTENTION_POINTERS, "a_ptr": "*bf16", "a_bytes_ptr": "*bf16", "b_ptr": "*bf16",
+                        "b_bytes_ptr": "*bf16"},
+                       {"D": 512, "BLOCK_H": 32, "BLOCK_N": 32, "HAS_B": True, "FINAL": True, "NATIVE": True,
+                        "PRECISION": "tf32", "FP8": False}),
+    "attention fp8 cache": (attention._attention_kernel,
+                            {**ATTENTION_POINTERS, "a_ptr": "*fp8e4nv", "a_bytes_ptr": "*u8", "b_ptr": "*fp8e4nv",
+                             "b_bytes_ptr": "*u8"},
+                            {"D": 512, "BLOCK_H": 32, "BLOCK_N": 32, "HAS_B": True, "FINAL": False, "NATIVE": True,
+                             "PRECISION": "tf32", "FP8": True}),
+    "split merge": (attention._merge_kernel, {"part_ptr": "*fp32", "stat_ptr": "*fp32", "sinks_ptr": "*fp32",
+                                              "out_ptr": "*bf16"}, {"D": 512, "SPLITS": 8}),
+    "indexer": (attention._indexer_kernel, {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*bf16", "c_ptr": "*i64",
+                                            "out_ptr": "*fp32"},
+                {"D": 128, "BLOCK_H": 64, "BLOCK_C": 64, "TILES": 4, "NATIVE": True, "PRECISION": "tf32"}),
+    "fp8 cache store": (kv_store._fp8_store_kernel, {"rows_ptr": "*bf16", "slots_ptr": "*i64", "fp8_ptr": "*fp8e4nv",
+                                                    "bytes_ptr": "*u8"}, {}),
+    "mxfp4 experts": (moe._fp4_experts_kernel,
+                      {**EXPERT_POINTERS, "a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "w_ptr": "*i8", "v_ptr": "*i8",
+                       "sw_ptr": "*u8", "sv_ptr": "*u8"},
+                      {"K": 4096, "ACT_BLOCK": 128, "BLOCK_M": 16, "BN": 64, "BK": 128, "SWIGLU": True,
+                       "NATIVE": True}),
+    "float experts": (moe._float_experts_kernel, {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*bf16",
+                                                  "v_ptr": "*bf16"},
+                      {"K": 4096, "BLOCK_M": 64, "BN": 64, "BK": 64, "SWIGLU": True, "NATIVE": True}),
+    "mhc": (mhc._mhc_kernel, {"logits_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32"},
+            {"N": 4, "ITERS": 20, "BLOCK_T": 16}),
+}
+FLOAT_SCALARS = {"limit", "qk_scale", "sink_scale", "eps"}
+
+
+
+def compile_case(name: str) -> None:
+    fn, pointers, constexprs = CASES[name]
+    signature = {}
+    for param in fn.params:
+        signature[param.name] = ("constexpr" if param.is_constexpr else pointers.get(param.name)
+                                 or ("fp32" if param.name in FLOAT_SCALARS else "i32"))
+    missing = sorted(n for n, t in signature.items() if t == "constexpr" and n not in constexprs)
+    if missing:
+        raise ValueError(f"{name}: give the constexprs {missing}")
+    if not triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90).asm["cubin"]:
+        raise RuntimeError(f"{name}: no cubin")
+
+
+def main() -> int:
+    failed = 0
+    for name in sorted(CASES):
+        try:
+            compile_case(name)
+            print(f"ok      {name}")
+        except Exception as exc:  # noqa: BLE001 (every kernel is tried and each failure printed)
+            failed += 1
+            print(f"FAILED  {name}: {type(exc).__name__}: {exc}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
