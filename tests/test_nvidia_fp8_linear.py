@@ -80,3 +80,32 @@ def test_plugin_answers_only_on_cuda():
     if CUDA:
         assert isinstance(plugin.deepinfer_linear_backend(config=None, device=DEVICE), TritonLinear)
         assert isinstance(plugin.deepinfer_moe_backend(config=None, device=DEVICE), TritonMoE)
+
+
+def test_deep_gemm_is_asked_only_for_its_recipe():
+    """bf16 activations, 1 x 128 activation blocks and 128 x 128 weight tiles (V4's FP8 checkpoints)."""
+    from deepinfer_nvidia.fp8_linear import deep_gemm_serves
+
+    weight = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+    x = torch.zeros(3, 512, dtype=torch.bfloat16)
+    assert deep_gemm_serves(x, weight, torch.zeros(2, 4), 128)
+    assert not deep_gemm_serves(x.float(), weight, torch.zeros(2, 4), 128)  # fp32 activations
+    assert not deep_gemm_serves(x, weight, torch.zeros(8, 16), 32)  # V4.1's 32 x 32 tiles
+
+
+@pytest.mark.skipif(not CUDA, reason="DeepGEMM needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_deep_gemm_matches_the_triton_gemm(tokens):
+    from deepinfer_nvidia.deepseek_kernels import deep_gemm
+
+    module, route = deep_gemm()
+    if module is None:
+        pytest.skip(f"DeepGEMM not provisioned: {route}")
+    g = torch.Generator().manual_seed(tokens)
+    weight, scale = quantize_fp8(torch.randn(1024, 2048, generator=g) * 2048**-0.5, 128, 128)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = _inputs(tokens, 2048, seed=tokens, dtype=torch.bfloat16)
+    theirs = TritonLinear(deep_gemm=module).linear(x, weight, scale, 128)
+    ours = TritonLinear().linear(x, weight, scale, 128)
+    magnitude = round_fp8(x.float(), 128).abs() @ dequantize(weight, scale, torch.float32).abs().T
+    assert torch.all((theirs.float() - ours.float()).abs() <= magnitude * 2**-8 + ours.float().abs() * 2**-7)

@@ -11,20 +11,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.core import fp8_kv
+from deepinfer_nvidia.fp8_linear import _round_to_e4m3
 
 PAGE, PAGE_BYTES = tl.constexpr(fp8_kv.PAGE), tl.constexpr(fp8_kv.PAGE_BYTES)
 ROW_BYTES, SCALE_BYTES = tl.constexpr(fp8_kv.ROW_BYTES), tl.constexpr(fp8_kv.SCALE_BYTES)
 NOPE, TILE, WIDTH = tl.constexpr(fp8_kv.D_NOPE), tl.constexpr(fp8_kv.TILE), tl.constexpr(fp8_kv.WIDTH)
-
-
-@triton.jit
-def _round_e4m3(v):
-    """``v`` (|v| <= 448) rounded to nearest even on e4m3's grid, still fp32: 3 mantissa bits for normal values,
-    steps of 2^-9 below 2^-6 (e4m3's subnormals)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF).to(tl.float32, bitcast=True)
-    subnormal = ((v * 512.0 + 12582912.0) - 12582912.0) / 512.0  # adding 1.5 * 2^23 rounds to an integer
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 @triton.jit
@@ -40,7 +31,7 @@ def _fp8_store_kernel(rows_ptr, stride_rows, slots_ptr, fp8_ptr, bytes_ptr):
     bound = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1e-4).to(tl.int32, bitcast=True)
     exponent = ((bound >> 23) & 0xFF) - 127 + ((bound & 0x7FFFFF) != 0).to(tl.int32)
     inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^-exponent, exactly
-    quantized = _round_e4m3(x * inverse[:, None]).to(tl.float8e4nv)
+    quantized = _round_to_e4m3(x * inverse[:, None]).to(tl.float8e4nv)
     offs = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]
     is_nope = offs < NOPE
     tl.store(fp8_ptr + data + offs, quantized, mask=is_nope)
