@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.core.quantization import E4M3_MAX, _pow2_ceil
+
 D_NOPE, D_ROPE, TILE = 448, 64, 64
 WIDTH = D_NOPE + D_ROPE  # 512 channels
 ROW_BYTES = D_NOPE + 2 * D_ROPE  # 576
@@ -23,7 +25,6 @@ SCALE_BYTES = D_NOPE // TILE + 1  # 7 exponents and a pad byte
 TOKEN_BYTES = ROW_BYTES + SCALE_BYTES  # 584
 PAGE = 64
 PAGE_BYTES = -(-PAGE * TOKEN_BYTES // ROW_BYTES) * ROW_BYTES
-E4M3_MAX = 448.0
 
 
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,10 +32,11 @@ def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows.shape[-1] != WIDTH:
         raise ValueError(f"the FP8 KV layout holds {WIDTH}-wide rows, got {list(rows.shape)}")
     nope = rows[:, :D_NOPE].float().unflatten(-1, (-1, TILE))
-    exponent = torch.ceil(torch.log2((nope.abs().amax(-1) / E4M3_MAX).clamp_min(1e-4)))  # [n, 7]
-    values = (nope * torch.exp2(-exponent).unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(1).view(torch.uint8)
+    scale = _pow2_ceil((nope.abs().amax(-1) / E4M3_MAX).clamp_min(1e-4))  # [n, 7], powers of two
+    values = (nope / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(1).view(torch.uint8)
     rope = rows[:, D_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
-    scales = torch.cat((exponent.to(torch.int32) + 127, exponent.new_zeros(len(rows), 1, dtype=torch.int32)), 1)
+    biased = scale.view(torch.int32) >> 23  # UE8M0 is the biased exponent itself
+    scales = torch.cat((biased, biased.new_zeros(len(rows), 1)), 1)
     return torch.cat((values, rope), 1), scales.to(torch.uint8)
 
 
