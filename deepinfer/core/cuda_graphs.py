@@ -6,9 +6,9 @@ step's host inputs (``StepInputs``); deriving the slots from them is part of the
 captured the first time its (batch size, context) bucket comes up, right after an eager run of the same inputs:
 that run tunes the Triton kernels outside the capture and writes exactly the cache rows the replay then rewrites.
 All graphs share one memory pool, which is safe because they never run concurrently and each keeps its own static
-inputs and outputs. The graph stops at the model's last hidden state: the head runs eagerly on the real rows only,
-so no graph holds a [batch, vocab] logits buffer (hundreds of MB each for the larger buckets) and padded rows cost
-no head GEMM.
+inputs and outputs. The graph stops before the vocabulary projection (the final collapse and norm are in it, a
+dozen small kernels): the projection runs eagerly on the real rows only, so no graph holds a [batch, vocab] logits
+buffer (hundreds of MB each for the larger buckets) and padded rows cost no head GEMM.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MIN_CONTEXT = 256
 class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: StepInputs  # static, on the device
-    hidden: torch.Tensor  # the model's output rows for sampling, [padded batch, ...]
+    hidden: torch.Tensor  # the final hidden rows the vocabulary projection reads, [padded batch, hidden]
     # the inputs' pinned staging copy on the host, and the event after the last copy out of it: a step overwrites
     # it only once the previous step's copy has run (usually long done: it preceded the step now running)
     staging: StepInputs
@@ -69,7 +69,7 @@ class DecodeGraphs:
         inputs = self.builder.inputs(scheduled, shape)
         if not self.capture:
             before_launch(inputs.token_ids)
-            return self.model.compute_logits(self._forward(inputs)[: len(scheduled)])
+            return self.model.project_vocab(self._forward(inputs)[: len(scheduled)])
         key = (shape.num_tokens, shape.blocks)
         captured = self.graphs.get(key)
         if captured is None:
@@ -84,11 +84,11 @@ class DecodeGraphs:
             captured.staged.record()
             before_launch(captured.inputs.token_ids)
         captured.graph.replay()
-        return self.model.compute_logits(captured.hidden[: len(scheduled)])
+        return self.model.project_vocab(captured.hidden[: len(scheduled)])
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         batch = self.builder.derive(inputs)
-        return self.model(batch, self.cache)[batch.logits_rows]
+        return self.model.final_hidden(self.model(batch, self.cache)[batch.logits_rows])
 
     def _capture(self, inputs: StepInputs, staging: StepInputs) -> _Captured:
         start = time.perf_counter()

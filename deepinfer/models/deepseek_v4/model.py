@@ -123,5 +123,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = layer(streams, batch, phases[layer.attn.rotary], caches)
         return streams
 
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The streams collapsed and normalized: what the vocabulary projection reads."""
+        return self.norm(self.hc_head(streams))
+
+    def project_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
     def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.hc_head(streams))).float()
+        return self.project_vocab(self.final_hidden(streams))

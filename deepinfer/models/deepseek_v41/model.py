@@ -178,5 +178,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection)
         return collapse(streams, pre)
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The normalized hidden state, fp32: what the vocabulary projection reads."""
+        return self.norm(hidden).float()
+
+    def project_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(hidden).float())
+        return self.project_vocab(self.final_hidden(hidden))
