@@ -26,6 +26,7 @@ class CompressedMeta:
     ``close_rows``: for every window closing in this step, the state slots it pools
     (``coff * r`` rows; -1 where the window would start before position 0).
     ``close_slots``/``close_positions``: where the new entry goes and its RoPE position ``w*r``.
+    ``close_phases``: those positions' RoPE phases, set by the model once per step for all its layers of ratio ``r``.
     """
 
     ratio: int
@@ -35,6 +36,7 @@ class CompressedMeta:
     close_rows: torch.Tensor
     close_slots: torch.Tensor
     close_positions: torch.Tensor
+    close_phases: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

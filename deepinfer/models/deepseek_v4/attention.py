@@ -116,7 +116,7 @@ class Attention(nn.Module):
         state.index_copy_(0, meta.state_slots, compressor.state_rows(x, positions))
         if meta.close_slots.numel():
             pooled = compressor.pool(state, meta)
-            pooled = self.rotary.apply(pooled, self.rotary.phases(meta.close_positions))
+            pooled = self.rotary.apply(pooled, meta.close_phases)
             self.backend.store_rows(entries, meta.close_slots, pooled)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, phases, caches) -> torch.Tensor:

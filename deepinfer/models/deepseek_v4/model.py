@@ -119,6 +119,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.rotary_main: self.rotary_main.phases(batch.positions),
             self.rotary_compress: self.rotary_compress.phases(batch.positions),
         }
+        for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
+            meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         for layer in self.layers:
             streams = layer(streams, batch, phases[layer.attn.rotary], caches)
         return streams

@@ -143,7 +143,7 @@ class Attention(nn.Module):
         if not meta.close_slots.numel():
             return
         latent = self.compressor.latents(x, state, meta)
-        phases = self.rotary.phases(meta.close_positions)
+        phases = meta.close_phases
         entries = caches.pool(kind, "kv", self.layer_id)
         entries.index_copy_(0, meta.close_slots, round_nvfp4(self.rotary.apply(latent, phases)).to(entries.dtype))
         keys = caches.pool(kind, "index", self.layer_id)

@@ -173,6 +173,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.rotary_main: self.rotary_main.phases(batch.positions),
             self.rotary_compress: self.rotary_compress.phases(batch.positions),
         }
+        for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
+            meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         selection = Selection()
         for layer in self.layers:
             streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection)
