@@ -241,3 +241,22 @@ def test_flashmla_is_handed_both_caches_with_padded_int32_indices():
     ours = TritonAttention(flash_mla=stand_in).sparse_attention(q, sources, sinks, 0.05)
     reference = REFERENCE.sparse_attention(q, sources, sinks, 0.05)
     assert torch.allclose(ours.float(), reference.float(), atol=1e-2, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the row with no state: 0 / 0
+@pytest.mark.parametrize("ratio, overlap", [(4, 2), (16, 1)])
+def test_compress_pool_matches_the_reference(ratio, overlap):
+    """Windows with every row, one reaching before the sequence start (-1 rows), and one with no row at all (a
+    padded decode's non-closing token: NaN in both, written to the scratch row), on random state."""
+    g = torch.Generator().manual_seed(ratio)
+    dim, state_rows, windows = 64, 90, 7
+    state = torch.randn(state_rows, 2 * overlap * dim, generator=g).to(DEVICE) * 3
+    rows = torch.randint(0, state_rows, (windows, overlap * ratio), generator=g)
+    rows[0, : ratio // 2] = -1  # the first window: its oldest rows lie before position 0
+    rows[1] = -1
+    weight = (torch.rand(dim, generator=g) + 0.5).to(DEVICE)
+    ours = TritonAttention().compress_pool(state, rows.to(DEVICE), ratio, overlap, weight, 1e-6)
+    reference = REFERENCE.compress_pool(state, rows.to(DEVICE), ratio, overlap, weight, 1e-6)
+    assert ours.dtype == torch.float32 and ours.shape == (windows, dim)
+    assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert torch.isfinite(ours[[0, *range(2, windows)]]).all()

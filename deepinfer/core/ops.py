@@ -53,3 +53,21 @@ def mhc_coefficients(logits: torch.Tensor, hc_mult: int, sinkhorn_iters: int, ep
     post = 2 * torch.sigmoid(logits[:, n : 2 * n])
     comb = sinkhorn(logits[:, 2 * n :].unflatten(-1, (n, n)), sinkhorn_iters, eps)
     return pre, post, comb
+
+
+def compress_pool(state: torch.Tensor, rows: torch.Tensor, ratio: int, overlap: int, norm_weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """``AttentionBackend.compress_pool`` in torch (every backend's reference)."""
+    gathered = state[rows.clamp(min=0)]  # [n, overlap*ratio, 2*overlap*dim]
+    dim = norm_weight.shape[0]
+    width = overlap * dim
+    kv, score = gathered[..., :width], gathered[..., width:]
+    if overlap == 2:
+        kv = torch.cat([kv[:, :ratio, :dim], kv[:, ratio:, dim:]], dim=1)
+        score = torch.cat([score[:, :ratio, :dim], score[:, ratio:, dim:]], dim=1)
+    missing = (rows < 0).unsqueeze(-1)
+    kv = kv.masked_fill(missing, 0.0)
+    score = score.masked_fill(missing, float("-inf"))
+    pooled = (kv * score.softmax(dim=1)).sum(dim=1)
+    return F.rms_norm(pooled.float(), (dim,), norm_weight, eps)
+

@@ -36,6 +36,17 @@ class AttentionBackend(Protocol):
         ``sinks`` [H] (fp32) enters only the softmax denominator. Returns [T, H, D] in ``q``'s dtype.
         """
 
+    def compress_pool(self, state: torch.Tensor, rows: torch.Tensor, ratio: int, overlap: int,
+                      norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """V4's compressor pooling: one entry per closing window, [n, D] fp32.
+
+        ``state`` [S, 2 * overlap * D] fp32 holds each token's ``[kv | score]`` row; ``rows`` [n, overlap * ratio]
+        names the state rows a window pools (-1: before the sequence start). With ``overlap`` 2 the first
+        ``ratio`` rows contribute their first D channels and the last ``ratio`` their second D. Per channel, a
+        softmax over the rows' scores weights their kv; the sum is RMS-normalized and scaled by ``norm_weight``.
+        ``deepinfer.core.ops.compress_pool`` is the reference.
+        """
+
     def store_rows(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes ``rows`` [n, D] at ``slots`` [n] (all valid) of a cache pool the attention reads: a row tensor
         (in its dtype) or ``FP8Rows`` (quantized; ``deepinfer.core.fp8_kv.store`` is the reference)."""

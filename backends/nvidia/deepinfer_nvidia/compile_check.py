@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import fp8_linear, kv_store, mhc, moe
+from deepinfer_nvidia import compress_pool, fp8_linear, kv_store, mhc, moe
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -52,6 +52,9 @@ CASES = {
     "float experts": (moe._float_experts_kernel, {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*bf16",
                                                   "v_ptr": "*bf16"},
                       {"K": 4096, "BLOCK_M": 64, "BN": 64, "BK": 64, "SWIGLU": True, "NATIVE": True}),
+    "compressor pool": (compress_pool._compress_pool_kernel, {"state_ptr": "*fp32", "rows_ptr": "*i64",
+                                                              "weight_ptr": "*fp32", "out_ptr": "*fp32"},
+                        {"RATIO": 4, "OVERLAP": 2, "D": 512}),
     "mhc": (mhc._mhc_kernel, {"logits_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32"},
             {"N": 4, "ITERS": 20, "BLOCK_T": 16}),
 }

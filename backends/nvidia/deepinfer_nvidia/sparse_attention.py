@@ -29,6 +29,7 @@ import triton.language as tl
 
 from deepinfer.core import fp8_kv
 from deepinfer.core.ops import select_topk
+from deepinfer_nvidia.compress_pool import compress_pool
 from deepinfer_nvidia.kv_store import store_rows
 
 LOG2E = math.log2(math.e)
@@ -326,6 +327,9 @@ class TritonAttention:
 
     def store_rows(self, pool, slots, rows):
         store_rows(pool, slots, rows)
+
+    def compress_pool(self, state, rows, ratio, overlap, norm_weight, eps):
+        return compress_pool(state, rows, ratio, overlap, norm_weight, eps)
 
     def indexer_scores(self, q, weights, keys, candidates):
         return indexer_scores(q, weights, keys, candidates)

@@ -53,20 +53,9 @@ class Compressor(nn.Module):
         score = self.wgate(x).float() + self.ape[positions % self.ratio]
         return torch.cat([kv, score], dim=-1)
 
-    def pool(self, state: torch.Tensor, meta: CompressedMeta) -> torch.Tensor:
-        """Entries [n, dim] (normed, before RoPE) for the windows closing in this step."""
-        rows = meta.close_rows
-        gathered = state[rows.clamp(min=0)]  # [n, overlap*ratio, 2*overlap*dim]
-        width = self.overlap * self.dim
-        kv, score = gathered[..., :width], gathered[..., width:]
-        if self.overlap == 2:
-            r, d = self.ratio, self.dim
-            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
-            score = torch.cat([score[:, :r, :d], score[:, r:, d:]], dim=1)
-        missing = (rows < 0).unsqueeze(-1)
-        kv = kv.masked_fill(missing, 0.0)
-        score = score.masked_fill(missing, float("-inf"))
-        return self.norm((kv * score.softmax(dim=1)).sum(dim=1))
+    def pool(self, state: torch.Tensor, meta: CompressedMeta, backend: AttentionBackend) -> torch.Tensor:
+        """Entries [n, dim] (normed, before RoPE, fp32) for the windows closing in this step."""
+        return backend.compress_pool(state, meta.close_rows, self.ratio, self.overlap, self.norm.weight, self.norm.eps)
 
 
 class Indexer(nn.Module):
@@ -115,7 +104,7 @@ class Attention(nn.Module):
     def _compress(self, compressor: Compressor, x, positions, meta: CompressedMeta, state, entries) -> None:
         state.index_copy_(0, meta.state_slots, compressor.state_rows(x, positions))
         if meta.close_slots.numel():
-            pooled = compressor.pool(state, meta)
+            pooled = compressor.pool(state, meta, self.backend)
             pooled = self.rotary.apply(pooled, meta.close_phases)
             self.backend.store_rows(entries, meta.close_slots, pooled)
 

@@ -1,0 +1,55 @@
+"""V4's compressor pooling in one launch (``AttentionBackend.compress_pool``): one program per closing window
+gathers its state rows, takes the per-channel softmax over their scores with an online max, sums the weighted kv
+and RMS-normalizes the result. The torch reference (``deepinfer.core.ops.compress_pool``) spends about a dozen
+kernels per call, and a V4-Flash decode step makes 62 calls (every compressed layer, and the indexer's too)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _compress_pool_kernel(state_ptr, stride_state, rows_ptr, stride_rows, weight_ptr, out_ptr, stride_out, eps,
+                          RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr):
+    window = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, D)
+    m = tl.full((D,), float("-inf"), tl.float32)
+    l = tl.zeros((D,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for j in tl.static_range(OVERLAP * RATIO):
+        slot = tl.load(rows_ptr + window * stride_rows + j)
+        # with two overlapping series, the older window's rows give their first D channels, this one's the second
+        column = (j // RATIO) * D if OVERLAP == 2 else 0
+        ok = (slot >= 0) & (offs < D)
+        row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_state + column
+        kv = tl.load(row + offs, mask=ok, other=0.0)
+        score = tl.load(row + OVERLAP * D + offs, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m, score)
+        # a channel that has seen no row yet keeps m = -inf: no exp(-inf - -inf) is ever taken
+        seen = m_new > float("-inf")
+        scale = tl.where(seen, tl.exp(tl.where(seen, m, 0.0) - tl.where(seen, m_new, 0.0)), 0.0)
+        p = tl.where(ok, tl.exp(tl.where(ok, score, 0.0) - tl.where(ok, m_new, 0.0)), 0.0)
+        l = l * scale + p
+        acc = acc * scale + p * kv
+        m = m_new
+    pooled = acc / l
+    rstd = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
+    out = pooled * rstd * tl.load(weight_ptr + offs)
+    tl.store(out_ptr + window * stride_out + offs, out)
+
+
+def compress_pool(state, rows, ratio, overlap, norm_weight, eps):
+    """``AttentionBackend.compress_pool``: [n, D] fp32."""
+    dim = norm_weight.shape[0]
+    if state.dtype != torch.float32 or state.shape[1] != 2 * overlap * dim or state.stride(1) != 1:
+        raise ValueError(f"compressor state must be fp32 [rows, {2 * overlap * dim}] with unit column stride, got "
+                         f"{state.dtype} {list(state.shape)}")
+    out = torch.empty(rows.shape[0], dim, dtype=torch.float32, device=state.device)
+    if rows.shape[0]:
+        rows = rows.contiguous()
+        _compress_pool_kernel[(rows.shape[0],)](state, state.stride(0), rows, rows.stride(0),
+                                                norm_weight.float().contiguous(), out, out.stride(0), eps,
+                                                RATIO=ratio, OVERLAP=overlap, D=dim)
+    return out
