@@ -22,7 +22,7 @@ def _compress_pool_kernel(state_ptr, stride_state, rows_ptr, stride_rows, weight
         slot = tl.load(rows_ptr + window * stride_rows + j)
         # with two overlapping series, the older window's rows give their first D channels, this one's the second
         column = (j // RATIO) * D if OVERLAP == 2 else 0
-        ok = (slot >= 0) & (offs < D)
+        ok = (slot + tl.zeros((D,), tl.int64)) >= 0  # a vector mask: interpreters reject a scalar's broadcast
         row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_state + column
         kv = tl.load(row + offs, mask=ok, other=0.0)
         score = tl.load(row + OVERLAP * D + offs, mask=ok, other=float("-inf"))
