@@ -16,7 +16,7 @@ def _rows(tokens: int, seed: int) -> torch.Tensor:
 
 
 def _pool(rows: int) -> fp8_kv.FP8Rows:
-    return fp8_kv.FP8Rows(torch.zeros(fp8_kv.pages_for(rows), fp8_kv.PAGE_BYTES, dtype=torch.uint8))
+    return fp8_kv.FP8Rows.zeros(rows)
 
 
 def test_rows_read_back_within_fp8_rounding():

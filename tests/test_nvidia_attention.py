@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
 from deepinfer.core.config import EngineConfig  # noqa: E402
-from deepinfer.core.fp8_kv import PAGE_BYTES, FP8Rows, pages_for  # noqa: E402
+from deepinfer.core.fp8_kv import PAGE_BYTES, FP8Rows, storage_shape  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.sparse_attention import TritonAttention, sparse_attention  # noqa: E402
@@ -86,7 +86,7 @@ def test_fp8_pools_read_like_the_reference(tokens, widths, splits):
     q = torch.randn(tokens, heads, 512, generator=g).to(torch.bfloat16).to(DEVICE)
     sources = []
     for width in widths:
-        pool = FP8Rows(torch.zeros(pages_for(rows), PAGE_BYTES, dtype=torch.uint8, device=DEVICE))
+        pool = FP8Rows.zeros(rows, DEVICE)
         scales = torch.exp2(torch.randint(-4, 4, (rows, 1), generator=g).float())
         pool.write(torch.arange(rows, device=DEVICE), (torch.randn(rows, 512, generator=g) * scales).to(DEVICE))
         sources.append((pool, _indices(tokens, width, rows, g).to(DEVICE)))
@@ -97,7 +97,7 @@ def test_fp8_pools_read_like_the_reference(tokens, widths, splits):
 
 
 def test_fp8_and_row_pools_do_not_mix():
-    pool = FP8Rows(torch.zeros(1, PAGE_BYTES, dtype=torch.uint8, device=DEVICE))
+    pool = FP8Rows.zeros(1, DEVICE)
     rows = torch.zeros(8, 512, dtype=torch.bfloat16, device=DEVICE)
     idx = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="not both"):
@@ -210,7 +210,7 @@ def test_fp8_store_writes_the_reference_bytes(rows):
     slots = torch.randperm(130, generator=g)[:rows].to(DEVICE)
 
     def pool():
-        return FP8Rows(torch.full((pages_for(130), PAGE_BYTES), 0xA5, dtype=torch.uint8, device=DEVICE))
+        return FP8Rows(torch.full(storage_shape(130), 0xA5, dtype=torch.uint8, device=DEVICE))
 
     ours, reference = pool(), pool()
     TritonAttention().store_rows(ours, slots, values)
@@ -234,7 +234,7 @@ def test_flashmla_is_handed_both_caches_with_padded_int32_indices():
     q = torch.randn(2, heads, 512, generator=g).to(torch.bfloat16).to(DEVICE)
     sources = []
     for width in (30, 9):  # the window, then the compressed entries
-        pool = FP8Rows(torch.zeros(pages_for(rows), PAGE_BYTES, dtype=torch.uint8, device=DEVICE))
+        pool = FP8Rows.zeros(rows, DEVICE)
         pool.write(torch.arange(rows, device=DEVICE), torch.randn(rows, 512, generator=g).to(DEVICE))
         sources.append((pool, _indices(2, width, rows, g).to(DEVICE)))
     sinks = torch.randn(heads, generator=g).to(DEVICE)

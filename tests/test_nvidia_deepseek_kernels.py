@@ -8,13 +8,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.core.fp8_kv import PAGE_BYTES, FP8Rows, pages_for  # noqa: E402
+from deepinfer.core.fp8_kv import FP8Rows  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer_nvidia import deepseek_kernels as dk  # noqa: E402
 
 
 def _cache(rows: torch.Tensor) -> FP8Rows:
-    pool = FP8Rows(torch.zeros(pages_for(len(rows)), PAGE_BYTES, dtype=torch.uint8, device=rows.device))
+    pool = FP8Rows.zeros(len(rows), rows.device)
     pool.write(torch.arange(len(rows)), rows)
     return pool
 

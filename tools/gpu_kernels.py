@@ -26,7 +26,7 @@ import triton.testing
 
 from deepinfer_nvidia import deepseek_kernels
 from deepinfer_nvidia import moe as moe_module
-from deepinfer.core.fp8_kv import PAGE_BYTES, FP8Rows, pages_for
+from deepinfer.core.fp8_kv import FP8Rows
 from deepinfer.core.quantization import quantize_fp4, quantize_fp8
 from deepinfer.plugins.interfaces import ExpertWeights
 from deepinfer_nvidia.fp8_linear import fp8_linear
@@ -119,7 +119,7 @@ def _attempt(fn) -> dict:
 
 
 def _fp8_pool(rows: torch.Tensor) -> FP8Rows:
-    pool = FP8Rows(torch.zeros(pages_for(len(rows)), PAGE_BYTES, dtype=torch.uint8, device=rows.device))
+    pool = FP8Rows.zeros(len(rows), rows.device)
     pool.write(torch.arange(len(rows), device=rows.device), rows)
     return pool
 

@@ -48,8 +48,9 @@ def dequantize(row_bytes: torch.Tensor, scale_bytes: torch.Tensor, dtype=torch.b
     return torch.cat(((nope * scale).flatten(-2).to(dtype), rope.to(dtype)), -1)
 
 
-def pages_for(rows: int) -> int:
-    return -(-rows // PAGE)
+def storage_shape(rows: int) -> tuple[int, int]:
+    """The uint8 shape holding ``rows`` rows: whole pages."""
+    return -(-rows // PAGE), PAGE_BYTES
 
 
 @dataclass(slots=True)
@@ -58,6 +59,10 @@ class FP8Rows:
     dequantized bf16 rows, so code that gathers rows (the reference attention) reads it like a tensor."""
 
     data: torch.Tensor
+
+    @classmethod
+    def zeros(cls, rows: int, device=None) -> "FP8Rows":
+        return cls(torch.zeros(storage_shape(rows), dtype=torch.uint8, device=device))
 
     @property
     def num_rows(self) -> int:

@@ -82,7 +82,7 @@ class KVCache:
                     if pool.width != fp8_kv.WIDTH:
                         raise ValueError(f"{kind.name}/{pool.name}: the FP8 KV layout holds {fp8_kv.WIDTH}-wide rows, "
                                          f"this pool's are {pool.width}")
-                    shape, dtype = (fp8_kv.pages_for(rows), fp8_kv.PAGE_BYTES), torch.uint8
+                    shape, dtype = fp8_kv.storage_shape(rows), torch.uint8
                 else:
                     shape, dtype = (rows, pool.width), pool.dtype
                 self._tensors[key] = torch.zeros(len(pool.layers), *shape, dtype=dtype, device=device)

@@ -13,6 +13,7 @@ import triton.language as tl
 from deepinfer.core import fp8_kv
 from deepinfer_nvidia.fp8_linear import _round_to_e4m3
 
+# the layout as constants the kernels fold in (the attention kernel reads with the same ones)
 PAGE, PAGE_BYTES = tl.constexpr(fp8_kv.PAGE), tl.constexpr(fp8_kv.PAGE_BYTES)
 ROW_BYTES, SCALE_BYTES = tl.constexpr(fp8_kv.ROW_BYTES), tl.constexpr(fp8_kv.SCALE_BYTES)
 NOPE, TILE, WIDTH = tl.constexpr(fp8_kv.D_NOPE), tl.constexpr(fp8_kv.TILE), tl.constexpr(fp8_kv.WIDTH)

@@ -30,15 +30,17 @@ import triton.language as tl
 from deepinfer.core import fp8_kv
 from deepinfer.core.ops import select_topk
 from deepinfer_nvidia.compress_pool import compress_pool
+from deepinfer_nvidia.kv_store import NOPE as FP8_NOPE
+from deepinfer_nvidia.kv_store import PAGE as FP8_PAGE
+from deepinfer_nvidia.kv_store import PAGE_BYTES as FP8_PAGE_BYTES
+from deepinfer_nvidia.kv_store import ROW_BYTES as FP8_ROW_BYTES
+from deepinfer_nvidia.kv_store import SCALE_BYTES as FP8_SCALE_BYTES
+from deepinfer_nvidia.kv_store import TILE as FP8_TILE
 from deepinfer_nvidia.kv_store import store_rows
 
 LOG2E = math.log2(math.e)
 MIN_TILES_PER_SPLIT = 4  # below this a split writes about as many partial bytes as it reads key bytes
 MAX_CANDIDATE_TILES = 8  # indexer tiles per program (a constexpr: at most 8 variants) amortize its q load
-# the FP8 KV layout (deepinfer.core.fp8_kv), as constants the kernels fold in
-FP8_PAGE, FP8_PAGE_BYTES = tl.constexpr(fp8_kv.PAGE), tl.constexpr(fp8_kv.PAGE_BYTES)
-FP8_ROW_BYTES, FP8_SCALE_BYTES = tl.constexpr(fp8_kv.ROW_BYTES), tl.constexpr(fp8_kv.SCALE_BYTES)
-FP8_NOPE, FP8_TILE = tl.constexpr(fp8_kv.D_NOPE), tl.constexpr(fp8_kv.TILE)
 
 
 @triton.jit
