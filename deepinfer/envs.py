@@ -49,8 +49,9 @@ class Envs:
         choices=("auto", "cpu", "nvidia", "ascend"),
     )
     DEEPINFER_KERNELS: str = _variable(
-        "str", "auto", "Read by build.sh (nvidia) only: where DeepSeek's kernels come from: `auto`, `triton`, "
-        "`source:DIR`, `prebuilt:DIR`, `pypi[:VLLM_VERSION]` (see build.sh).",
+        "str", "auto", "build.sh (nvidia): where DeepSeek's kernels come from: `auto`, `triton`, "
+        "`source:DIR`, `prebuilt:DIR`, `pypi[:VLLM_VERSION]` (see build.sh). At run time `triton` leaves "
+        "FlashMLA and DeepGEMM unused even where they are installed.",
     )
     DEEPINFER_HF_MODEL_DIR: Path | None = _variable(
         "path", None, "Local checkpoint directory; overrides the model argument and the hub default.",

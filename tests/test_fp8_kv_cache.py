@@ -12,6 +12,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.core import fp8_kv
 from deepinfer.core.fp8_kv import FP8Rows
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
+from deepinfer.plugins.manager import registered
 from deepinfer.testing.tiny_v4 import build_tiny_v4
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
@@ -77,13 +78,16 @@ def test_rows_of_another_width_are_refused(tiny_v4_checkpoint):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_fp8_rows_replay_in_cuda_graphs_as_they_run_eagerly(wide_v4):
     """On the GPU the NVIDIA plugin's attention decodes the FP8 rows itself, inside the captured decode steps."""
+    nvidia = pytest.importorskip("deepinfer_nvidia.plugin")
+
     def tokens(**engine_args):
         llm = LLM(str(wide_v4), dtype="bfloat16", device="cuda", kv_cache_dtype="fp8", **engine_args)
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
         return [o.outputs[0].token_ids for o in outputs], llm
 
-    eager, _ = tokens(enforce_eager=True)
-    replayed, llm = tokens()
+    with registered(nvidia, "nvidia"):
+        eager, _ = tokens(enforce_eager=True)
+        replayed, llm = tokens()
     assert llm.engine.graphs is not None and llm.engine.graphs.graphs
     assert replayed == eager
 
@@ -93,6 +97,7 @@ def test_flashmla_serves_the_fp8_cache_like_the_triton_kernel(tmp_path, monkeypa
     """With 64 heads FlashMLA's sparse decode serves every attention call over the FP8 cache; its first-token
     logprobs agree with the Triton kernel's on the same cache."""
     deepseek_kernels = pytest.importorskip("deepinfer_nvidia.deepseek_kernels")
+    nvidia = pytest.importorskip("deepinfer_nvidia.plugin")
     sparse_decode, route = deepseek_kernels.flash_mla()
     if sparse_decode is None:
         pytest.skip(f"FlashMLA not provisioned: {route}")
@@ -105,9 +110,10 @@ def test_flashmla_serves_the_fp8_cache_like_the_triton_kernel(tmp_path, monkeypa
         return sparse_decode(*args, **kwargs)
 
     def first_logprobs():
-        llm = LLM(str(checkpoint), dtype="bfloat16", device="cuda", kv_cache_dtype="fp8")
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
-        return [o.outputs[0].logprobs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        with registered(nvidia, "nvidia"):
+            llm = LLM(str(checkpoint), dtype="bfloat16", device="cuda", kv_cache_dtype="fp8")
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+            return [o.outputs[0].logprobs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
     monkeypatch.setattr(deepseek_kernels, "flash_mla", lambda: (counted, route))
     flashmla = first_logprobs()

@@ -171,6 +171,18 @@ def test_plugin_answers_only_on_cuda():
     assert isinstance(plugin.deepinfer_attention_backend(config=config, device=torch.device("cuda")), TritonAttention)
 
 
+def test_fp8_cache_without_flashmla_needs_eager_steps(monkeypatch):
+    """Triton's attention over FP8 rows faults in padded decode steps on the H200 (issue 6): refused, not risked."""
+    from deepinfer_nvidia import deepseek_kernels
+
+    monkeypatch.setattr(deepseek_kernels, "flash_mla", lambda: (None, "not provisioned"))
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="enforce_eager=True"):
+        plugin.deepinfer_attention_backend(config=EngineConfig(kv_cache_dtype="fp8"), device=cuda)
+    eager = EngineConfig(kv_cache_dtype="fp8", enforce_eager=True)
+    assert isinstance(plugin.deepinfer_attention_backend(config=eager, device=cuda), TritonAttention)
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_cuda_graph_replays_on_new_inputs(tokens):

@@ -15,13 +15,32 @@ from deepinfer_nvidia import deepseek_kernels as dk  # noqa: E402
 
 def _cache(rows: torch.Tensor) -> FP8Rows:
     pool = FP8Rows.zeros(len(rows), rows.device)
-    pool.write(torch.arange(len(rows)), rows)
+    pool.write(torch.arange(len(rows), device=rows.device), rows)
     return pool
 
 
 def test_report_names_each_library():
     line = dk.report()
     assert "FlashMLA:" in line and "DeepGEMM:" in line
+
+
+def test_triton_only_at_run_time(monkeypatch):
+    """DEEPINFER_KERNELS=triton leaves DeepSeek's kernels unused even where build.sh installed them, and says so."""
+    from deepinfer import envs
+
+    def reload():
+        envs.reload()
+        dk.flash_mla.cache_clear()
+        dk.deep_gemm.cache_clear()
+
+    monkeypatch.setenv("DEEPINFER_KERNELS", "triton")
+    reload()
+    try:
+        assert dk.flash_mla()[0] is None and dk.deep_gemm()[0] is None
+        assert dk.report().count("DEEPINFER_KERNELS=triton") == 2
+    finally:
+        monkeypatch.undo()
+        reload()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or dk.flash_mla()[0] is None, reason="needs FlashMLA on a GPU")

@@ -174,3 +174,12 @@ def test_cuda_graph_replays_with_new_routing(fmt):
         topk_weights.copy_(new_weights)
         graph.replay()
         _check(out, TorchMoE().routed_experts(x, ids, topk_weights, weights), fmt, torch.bfloat16)
+
+
+@pytest.mark.parametrize("k", [64, 96, 192, 2048])
+def test_autotuned_mxfp4_configs_tile_k(k):
+    """The tuner only times K tiles that divide K (K is passed as a keyword, so the pruner must read it there)."""
+    tuner = moe_module._tuned_fp4_experts()
+    tuner.nargs = {}
+    kept = tuner.prune_configs({"K": k, "N": 256, "BLOCK_M": BM, "SWIGLU": True})
+    assert kept and all(k % c.kwargs["BK"] == 0 for c in kept)

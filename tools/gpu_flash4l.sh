@@ -8,20 +8,27 @@
 # profile (tools/profile_decode.py at batch 1 and 16), idle (device idle share between replayed decode steps, with
 # and without asynchronous scheduling: issue 7), small (batch 1 and 16 against HF, batch 1 eager, batch 1 and 16
 # without asynchronous scheduling), large (batch 64 and 256, an 8192-token prefill against HF), v41 (the
-# V4.1-Flash-shaped fixture at batch 1 and 64).
+# V4.1-Flash-shaped fixture at batch 1 and 64). TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`.
+# A fresh box spends minutes compiling Triton kernels in its first model run: budget for it in the first section.
 set -uo pipefail
 sections=",$1,"
-out="${2:-${OUT:-/tmp/gpu-out}}"
+# the device tool returns a few files only: results go to one archive, repacked as each section starts
+top="${2:-${OUT:-/tmp/gpu-out}}"
+out="$top/results"
 mkdir -p "$out"
 has() { [[ "$sections" == *",$1,"* ]]; }
-stamp() { echo "== $(date +%T) $*"; }
+pack() { tar czf "$top/results.tgz" -C "$out" . ; }
+stamp() { pack; echo "== $(date +%T) $*"; }
+# DeepGEMM compiles each GEMM shape with NVCC on first use (minutes on a fresh box) and Triton autotunes: both
+# caches live in .jit-cache, which comes back as jit-cache.tgz for the next call to carry
+export DG_JIT_CACHE_DIR="$PWD/.jit-cache/deep_gemm" TRITON_CACHE_DIR="$PWD/.jit-cache/triton"
 
 if has install; then
     stamp install
     pip install --quiet --no-deps --no-index .wheels/pluggy-*.whl 2>&1 | tail -2
     # offline: no index, and the box's own setuptools instead of an isolated build environment; DeepSeek's kernels
     # from .kernels when it came along (tools/fetch_kernels.py; the run tool's carry: [".wheels", ".kernels"])
-    PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tail -9
+    PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tee "$out/install.txt" | tail -9
 fi
 if command -v deepinfer >/dev/null && python -c "import deepinfer_nvidia" 2>/dev/null; then
     bench=(deepinfer bench)
@@ -34,9 +41,10 @@ export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
 
 if has tests; then
     stamp tests
-    timeout 300 python -m pytest -q -x tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
+    # TESTS narrows the list (a rerun of what failed)
+    timeout 300 python -m pytest -q -x ${TESTS:-tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
         tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py \
-        tests/test_fp8_kv_cache.py 2>&1 | tail -15
+        tests/test_fp8_kv_cache.py} 2>&1 | tee "$out/tests.txt" | tail -15
 fi
 if has quicktests; then  # the tests of what changes most often
     stamp quicktests
@@ -77,13 +85,13 @@ if has profile; then  # kernels per eager decode step at batch 1 and 16
 fi
 if has idle; then  # issue 7: device idle share between replayed decode steps, with and without overlap
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
-    for m in /tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1; do
+    for m in ${IDLE_MODELS:-/tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1}; do
         for b in 1 64; do
             for a in 1 0; do
                 [[ $a == 0 && $m != /tmp/flash4L ]] && continue  # without overlap: flash4L only (time)
                 dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
                 stamp "idle $m b$b async=$a"
-                DEEPINFER_ASYNC_SCHEDULING=$a timeout 200 python tools/profile_decode.py $m $dummy --graphs --steps 48 \
+                DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 python tools/profile_decode.py $m $dummy --graphs --steps 48 \
                     --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle.jsonl"
             done
         done
@@ -114,3 +122,4 @@ if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF 
     model=/tmp/v41flash8L latency v41_b64 --batch-size 64 --input-len 512 --output-len 64
 fi
 stamp done
+du -sh .jit-cache/* && tar czf "$top/jit-cache.tgz" .jit-cache

@@ -164,9 +164,11 @@ def deepgemm_peer() -> list[dict]:
     num, m, hidden, inter = 32, 16, 4096, 2048
     for n, k in ((2 * inter, hidden), (hidden, inter)):  # w1|w3 fused, then w2: the experts' bytes of one layer
         def masked(fp8: bool) -> dict:
-            a = torch.randn(num, m, k, device=DEVICE, dtype=torch.bfloat16)
+            # the masked layout holds max_m rows per expert, aligned to DeepGEMM's block; `counts` say how many count
+            max_m = 128
+            a = torch.randn(num, max_m, k, device=DEVICE, dtype=torch.bfloat16)
             b = torch.randn(num, n, k, device=DEVICE, dtype=torch.bfloat16) * k**-0.5
-            d = torch.empty(num, m, n, device=DEVICE, dtype=torch.bfloat16)
+            d = torch.empty(num, max_m, n, device=DEVICE, dtype=torch.bfloat16)
             counts = torch.full((num,), m, device=DEVICE, dtype=torch.int32)
             if fp8:
                 qa = [per_token_cast_to_fp8(a[e], use_ue8m0=False) for e in range(num)]
@@ -179,6 +181,7 @@ def deepgemm_peer() -> list[dict]:
                 call = lambda: dg.m_grouped_bf16_gemm_nt_masked(a, b, d, counts, m)  # noqa: E731
                 weight_bytes = num * n * k * 2
             us = _graph_us(call)
+            d, a = d[:, :m], a[:, :m]
             diff = (d.float() - torch.bmm(a.float(), b.float().transpose(1, 2))).abs().max() / d.float().abs().max()
             return {"kernel": f"m_grouped_{'fp8' if fp8 else 'bf16'}_gemm_nt_masked", "experts": num,
                     "tokens_per_expert": m, "n": n, "k": k, "us": round(us, 1),

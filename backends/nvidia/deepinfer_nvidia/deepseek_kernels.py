@@ -14,11 +14,17 @@ import importlib
 
 import torch
 
+from deepinfer import envs
+
+_TRITON_ONLY = "DEEPINFER_KERNELS=triton: Triton only"
+
 
 @functools.cache
 def flash_mla():
     """``(sparse_decode, route)``: a function with ``flash_mla_with_kvcache``'s sparse-mode arguments, or ``None``
     and why not."""
+    if envs.get().DEEPINFER_KERNELS == "triton":
+        return None, _TRITON_ONLY
     errors = []
     try:
         import flash_mla as source_build
@@ -50,6 +56,8 @@ def flash_mla():
 @functools.cache
 def deep_gemm():
     """``(module, route)``, or ``None`` and why not."""
+    if envs.get().DEEPINFER_KERNELS == "triton":
+        return None, _TRITON_ONLY
     try:
         return importlib.import_module("deep_gemm"), "DeepGEMM"
     except Exception as exc:  # noqa: BLE001

@@ -199,8 +199,9 @@ def _tuned_fp4_experts():
               (64, 256, 8, 2), (16, 128, 4, 4)]
     configs = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in shapes]
 
-    def fitting(configs, named_args, **kwargs):  # K tiles must divide K
-        return [c for c in configs if named_args["K"] % c.kwargs["BK"] == 0] or configs[:1]
+    def fitting(configs, named_args, **kwargs):  # K tiles must divide K; K is a keyword (constexpr) argument
+        k = kwargs["K"]  # a multiple of 32, the MXFP4 block
+        return [c for c in configs if k % c.kwargs["BK"] == 0] or [triton.Config({"BN": 32, "BK": 32}, num_warps=4)]
 
     return triton.autotune(configs=configs, key=["N", "K", "BLOCK_M", "SWIGLU"],
                            prune_configs_by={"early_config_prune": fitting})(_fp4_experts_kernel)
