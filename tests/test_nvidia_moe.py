@@ -18,6 +18,7 @@ from deepinfer.core.quantization import quantize_fp4, quantize_fp8  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia import moe as moe_module  # noqa: E402
+from deepinfer_nvidia import moe_blocks  # noqa: E402
 from deepinfer_nvidia.moe import LARGE_BM, SMALL_BM, TritonMoE, _blocks, block_rows  # noqa: E402
 
 BM = SMALL_BM
@@ -130,6 +131,23 @@ def test_blocks_cover_every_assignment_once(tokens, experts, top_k, bm):
         covered[s:s + n] += 1
         assert torch.all(sorted_ids[s:s + n] == e)
     assert torch.all(covered == 1)
+
+
+@pytest.mark.parametrize("bm", [SMALL_BM, LARGE_BM])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 3), (5, 4, 2), (40, 8, 2), (3, 256, 6), (170, 256, 6)])
+def test_one_launch_blocks_equal_the_sorted_ones(tokens, experts, top_k, bm):
+    """The decode path's single-program block table is ``_blocks``'s exactly: stable order, every block."""
+    g = torch.Generator().manual_seed(tokens + experts)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[: tokens // 2, 0] = experts - 1  # a popular expert
+    ids = ids.to(DEVICE)
+    assert moe_blocks.serves(ids.numel())
+    order, blocks = _blocks(ids, experts, bm)
+    fused_order, token_of, sorted_rows, fused_blocks = moe_blocks.expert_blocks(ids, experts, bm)
+    assert torch.equal(fused_order, order.int()) and torch.equal(token_of, (order // top_k).int())
+    assert torch.equal(sorted_rows, torch.arange(ids.numel(), dtype=torch.int32, device=DEVICE))
+    for fused, expected in zip(fused_blocks, blocks):
+        assert torch.equal(fused, expected)
 
 
 def test_fp8_experts_fall_back_to_the_reference_with_a_warning(monkeypatch):

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import compress_pool, fp8_linear, kv_store, mhc, moe
+from deepinfer_nvidia import compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -52,6 +52,11 @@ CASES = {
     "float experts": (moe._float_experts_kernel, {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*bf16",
                                                   "v_ptr": "*bf16"},
                       {"K": 4096, "BLOCK_M": 64, "BN": 64, "BK": 64, "SWIGLU": True, "NATIVE": True}),
+    "expert blocks": (moe_blocks._blocks_kernel, {"ids_ptr": "*i64", **{f"{n}_ptr": "*i32" for n in (
+                          "order", "token_of", "sorted_rows", "expert", "start", "rows")}},
+                      {"TOP_K": 6, "BM": 16, "E_PAD": 256, "CHUNK": 64}),
+    "expert combine": (moe_blocks._combine_kernel, {"down_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": "*bf16"},
+                       {"TOP_K": 6, "BLOCK_D": 1024}),
     "compressor pool": (compress_pool._compress_pool_kernel, {"state_ptr": "*fp32", "rows_ptr": "*i64",
                                                               "weight_ptr": "*fp32", "out_ptr": "*fp32"},
                         {"RATIO": 4, "OVERLAP": 2, "D": 512}),

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
+from deepinfer_nvidia import moe_blocks
 from deepinfer_nvidia.fp8_linear import act_quant
 
 logger = init_logger(__name__)
@@ -262,9 +263,12 @@ class TritonMoE:
         if tokens == 0:
             return torch.zeros_like(x)
         bm = block_rows(topk_ids.numel(), w1.shape[0])
-        order, blocks = _blocks(topk_ids, w1.shape[0], bm)
-        token_of, order = (order // top_k).int(), order.int()
-        sorted_rows = torch.arange(len(order), dtype=torch.int32, device=x.device)
+        if moe_blocks.serves(topk_ids.numel()):  # decode: one launch instead of ~20 small ones
+            order, token_of, sorted_rows, blocks = moe_blocks.expert_blocks(topk_ids, w1.shape[0], bm)
+        else:
+            order, blocks = _blocks(topk_ids, w1.shape[0], bm)
+            token_of, order = (order // top_k).int(), order.int()
+            sorted_rows = torch.arange(len(order), dtype=torch.int32, device=x.device)
         limit = weights.swiglu_limit
         if fp4:
             block = weights.activation_block
@@ -274,4 +278,4 @@ class TritonMoE:
         else:
             h = _float_experts(x, token_of, sorted_rows, w1, blocks, bm, w3, limit)
             down = _float_experts(h, sorted_rows, order, w2, blocks, bm)
-        return (down.view(tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        return moe_blocks.combine(down, topk_weights, x.dtype)

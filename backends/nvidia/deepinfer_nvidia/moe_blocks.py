@@ -1,0 +1,116 @@
+"""The routed experts' block table in one launch, and their weighted top-k sum in another.
+
+``moe._blocks`` builds it from torch ops (a sort, two searchsorted, a cumsum and a dozen small element-wise ops and
+casts): about twenty kernels per MoE layer, each a node of the decode graph that the host launches and the device
+runs for a few microseconds. Here one program does it all for the decode-sized case (few assignments): it counts
+each expert's assignments, ranks every assignment stably (its expert's first row plus the equal ids before it, the
+order ``torch.sort(stable=True)`` gives), and fills the blocks exactly as ``_blocks`` does, surplus blocks included.
+Its work grows with assignments squared, so long prefills keep the torch ops (they are not in a graph, and a sort
+is the better algorithm there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ASSIGNMENTS = 1024  # tokens x top-k up to which the single program wins over the sort (decode batches)
+CHUNK = 64
+
+
+@triton.jit
+def _pick(select, values):
+    """``values[index]`` for each row of the one-hot ``select`` [n, E]: registers cannot be indexed."""
+    return tl.sum(tl.where(select, values[None, :], 0), axis=1)
+
+
+@triton.jit
+def _blocks_kernel(ids_ptr, assignments, experts, num_blocks, order_ptr, token_of_ptr, sorted_rows_ptr, expert_ptr,
+                   start_ptr, rows_ptr, TOP_K: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    e = tl.arange(0, E_PAD)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros((E_PAD,), tl.int32)
+    c = 0
+    while c < assignments:  # while loops: the interpreter's range() wants constexpr bounds
+        ids = tl.load(ids_ptr + c + lane, mask=c + lane < assignments, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+        c += CHUNK
+    first_row = tl.cumsum(counts, 0) - counts
+    c = 0
+    while c < assignments:
+        i = c + lane
+        i_ok = i < assignments
+        ids = tl.load(ids_ptr + i, mask=i_ok, other=-1)
+        rank = _pick(ids[:, None] == e[None, :], first_row)
+        d = 0
+        while d <= c:  # equal ids earlier in the flattened order, chunk by chunk up to this one
+            j = d + lane
+            other = tl.load(ids_ptr + j, mask=j < assignments, other=-2)
+            before = (other[None, :] == ids[:, None]) & (j[None, :] < i[:, None])
+            rank += tl.sum(before.to(tl.int32), axis=1)
+            d += CHUNK
+        tl.store(order_ptr + rank, i, mask=i_ok)
+        tl.store(token_of_ptr + rank, i // TOP_K, mask=i_ok)
+        tl.store(sorted_rows_ptr + i, i, mask=i_ok)
+        c += CHUNK
+    per_expert = (counts + BM - 1) // BM
+    block_end = tl.cumsum(per_expert, 0)
+    b0 = 0
+    while b0 < num_blocks:
+        b = b0 + lane
+        # the expert whose blocks cover b (searchsorted right); past the last block, the last expert
+        expert = tl.minimum(tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1), experts - 1)
+        select = expert[:, None] == e[None, :]
+        index_in_expert = b - (_pick(select, block_end) - _pick(select, per_expert))
+        b_ok = b < num_blocks
+        tl.store(expert_ptr + b, expert, mask=b_ok)
+        tl.store(start_ptr + b, _pick(select, first_row) + index_in_expert * BM, mask=b_ok)
+        rows = tl.minimum(tl.maximum(_pick(select, counts) - index_in_expert * BM, 0), BM)
+        tl.store(rows_ptr + b, rows, mask=b_ok)
+        b0 += CHUNK
+
+
+def serves(assignments: int) -> bool:
+    return assignments <= MAX_ASSIGNMENTS
+
+
+def expert_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
+    """``(order, token_of, sorted_rows, (expert, start, rows))``, all int32: ``moe._blocks``'s order and blocks,
+    each assignment's token and the identity row map, in one launch."""
+    assignments = topk_ids.numel()
+    num_blocks = triton.cdiv(assignments, bm) + min(experts, assignments)
+    device = topk_ids.device
+    order, token_of, sorted_rows = (torch.empty(assignments, dtype=torch.int32, device=device) for _ in range(3))
+    expert, start, rows = (torch.empty(num_blocks, dtype=torch.int32, device=device) for _ in range(3))
+    _blocks_kernel[(1,)](topk_ids.contiguous(), assignments, experts, num_blocks, order, token_of, sorted_rows, expert,
+                         start, rows, TOP_K=topk_ids.shape[1], BM=bm, E_PAD=triton.next_power_of_2(experts),
+                         CHUNK=CHUNK)
+    return order, token_of, sorted_rows, (expert, start, rows)
+
+
+@triton.jit
+def _combine_kernel(down_ptr, weights_ptr, out_ptr, D, stride_down, stride_w, stride_out, TOP_K: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = offs < D
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for k in tl.static_range(TOP_K):  # in slot order, as the reference's sum over the top-k axis
+        weight = tl.load(weights_ptr + token * stride_w + k).to(tl.float32)
+        acc += weight * tl.load(down_ptr + (token * TOP_K + k) * stride_down + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + token * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine(down: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(down.view(T, k, D) * topk_weights[..., None]).sum(1).to(dtype)`` in one launch (``down`` fp32 [T*k, D])."""
+    tokens, top_k = topk_weights.shape
+    width = down.shape[1]
+    out = torch.empty(tokens, width, dtype=dtype, device=down.device)
+    if tokens:
+        block = min(1024, triton.next_power_of_2(width))
+        _combine_kernel[(tokens, triton.cdiv(width, block))](down, topk_weights, out, width, down.stride(0),
+                                                             topk_weights.stride(0), out.stride(0), TOP_K=top_k,
+                                                             BLOCK_D=block)
+    return out
