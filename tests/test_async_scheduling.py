@@ -27,9 +27,19 @@ def _llm(checkpoint, monkeypatch, asynchronous: bool, engine_args) -> LLM:
 
 
 def _outputs(llm, params):
-    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, round(c.cumulative_logprob, 4),
-              [{t: round(lp.logprob, 4) for t, lp in step.items()} for step in (c.logprobs or [])])
-             for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    """Tokens, text and finish reasons (compared exactly), then the logprobs: the overlapping engine learns of a
+    finished request a step late and runs it once more, so the other rows of that step go through GEMMs of another
+    row count, which may differ in the last float bit (not batch-invariant mode)."""
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    exact = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+    logprobs = [c.cumulative_logprob for o in outputs for c in o.outputs]
+    logprobs += [lp.logprob for o in outputs for c in o.outputs for step in (c.logprobs or []) for lp in step.values()]
+    return exact, logprobs
+
+
+def _assert_same(ours, theirs):
+    assert ours[0] == theirs[0]
+    assert ours[1] == pytest.approx(theirs[1], abs=1e-5)
 
 
 def _params(reference_llm) -> list[SamplingParams]:
@@ -48,7 +58,7 @@ def test_outputs_are_the_same_with_and_without_overlap(tiny_v4_checkpoint, monke
     waiting = _llm(tiny_v4_checkpoint, monkeypatch, False, engine_args)
     overlapped = _llm(tiny_v4_checkpoint, monkeypatch, True, engine_args)
     for params in _params(waiting):
-        assert _outputs(overlapped, params) == _outputs(waiting, params)
+        _assert_same(_outputs(overlapped, params), _outputs(waiting, params))
     if "num_cache_tokens" in engine_args:
         assert overlapped.engine.scheduler.num_preemptions > 0
 
@@ -60,7 +70,7 @@ def test_v41_engram_takes_the_previous_tokens_on_the_host_with_the_same_outputs(
     waiting = _llm(V41_FIXTURE, monkeypatch, False, engine_args)
     overlapped = _llm(V41_FIXTURE, monkeypatch, True, engine_args)
     for params in _params(waiting):
-        assert _outputs(overlapped, params) == _outputs(waiting, params)
+        _assert_same(_outputs(overlapped, params), _outputs(waiting, params))
 
 
 @pytest.mark.parametrize("which", ["v4", "v4.1"])
@@ -79,7 +89,7 @@ def test_a_step_is_left_in_flight_only_when_overlapping(which, tiny_v4_checkpoin
 def test_penalties_wait_for_the_previous_tokens(tiny_v4_checkpoint, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5)
     waiting = _outputs(_llm(tiny_v4_checkpoint, monkeypatch, False, {}), params)
-    assert _outputs(_llm(tiny_v4_checkpoint, monkeypatch, True, {}), params) == waiting
+    _assert_same(_outputs(_llm(tiny_v4_checkpoint, monkeypatch, True, {}), params), waiting)
 
 
 def test_a_request_preempted_while_its_last_token_is_in_flight_finishes_cleanly(tiny_v4_checkpoint, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.ops import mhc_coefficients  # noqa: E402
+from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand  # noqa: E402
 from deepinfer_nvidia.mhc import TritonMHC  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,3 +36,27 @@ def test_strided_or_half_logits_are_refused():
         TritonMHC().coefficients(logits, 4, 20, 1e-6)
     with pytest.raises(ValueError, match="power-of-two"):
         TritonMHC().coefficients(torch.randn(3, 15, device=DEVICE), 3, 20, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n, width", [(1, 4, 64), (9, 4, 96), (3, 2, 2048), (0, 4, 64)])
+def test_collapse_and_expand_match_the_reference(tokens, n, width, dtype):
+    """One pass over the streams each, in fp32 rounded once, as ``core.ops`` computes them."""
+    g = torch.Generator().manual_seed(tokens * 13 + width)
+    streams = torch.randn(tokens, n, width, generator=g).to(dtype).to(DEVICE)
+    output = torch.randn(tokens, width, generator=g).to(dtype).to(DEVICE)
+    logits = (torch.randn(tokens, (2 + n) * n, generator=g) * 3).to(DEVICE)
+    pre, post, comb = mhc_coefficients(logits, n, 20, 1e-6)
+    backend = TritonMHC()
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+    collapsed = backend.collapse(streams, pre)
+    assert collapsed.dtype == dtype
+    torch.testing.assert_close(collapsed, mhc_collapse(streams, pre), **tolerance)
+    expanded = backend.expand(streams, output, post, comb)
+    assert expanded.shape == (tokens, n, width) and expanded.dtype == dtype
+    torch.testing.assert_close(expanded, mhc_expand(streams, output, post, comb), **tolerance)
+
+
+def test_collapse_refuses_odd_stream_counts():
+    with pytest.raises(ValueError, match="power-of-two stream count"):
+        TritonMHC().collapse(torch.randn(2, 3, 64, device=DEVICE), torch.rand(2, 3, device=DEVICE))

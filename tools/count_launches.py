@@ -1,6 +1,6 @@
 """Kernel launches in one padded decode step (what a CUDA graph holds), counted on a CPU: no GPU needed.
 
-    TRITON_INTERPRET=1 PYTHONPATH=.:backends/nvidia python tools/count_launches.py
+    TRITON_INTERPRET=1 PYTHONPATH=.:backends/nvidia python tools/count_launches.py [DTYPE, default bfloat16]
 
 Builds a tiny V4 with flash4L's layer pattern (sliding, sliding, CSA, HCA; three hash-routed), serves attention, MoE
 and mHC with the NVIDIA plugin's Triton kernels (run by Triton's interpreter) and counts, per decode step, the
@@ -75,7 +75,7 @@ def main() -> None:
                                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
     prompt = [list(range(3, 200))]
     with registered(_triton_on_cpu(), "triton_on_cpu"):
-        llm = LLM(str(checkpoint), dtype="float32", device="cpu")
+        llm = LLM(str(checkpoint), dtype=sys.argv[1] if len(sys.argv) > 1 else "bfloat16", device="cpu")
         _padded_eagerly(llm)
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         ranges = {}

@@ -55,6 +55,20 @@ def mhc_coefficients(logits: torch.Tensor, hc_mult: int, sinkhorn_iters: int, ep
     return pre, post, comb
 
 
+def mhc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``MHCBackend.collapse`` in torch: ``sum_i pre[:, i] * streams[:, i]`` in fp32, in the streams' dtype."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+
+
+def mhc_expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``MHCBackend.expand`` in torch: ``post ⊗ output + combᵀ · streams`` in fp32, rounded once."""
+    update = post.unsqueeze(-1) * output.float().unsqueeze(-2)
+    # element-wise, not a batched matmul: its summation order would vary with the batch size (padded decode steps
+    # must give what unpadded ones give), and V4.1's goldens were computed in this order
+    mixed = (comb.unsqueeze(-1) * streams.float().unsqueeze(-2)).sum(1)
+    return (update + mixed).to(output.dtype)
+
+
 def compress_pool(state: torch.Tensor, rows: torch.Tensor, ratio: int, overlap: int, norm_weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
     """``AttentionBackend.compress_pool`` in torch (every backend's reference)."""

@@ -108,6 +108,15 @@ class MHCBackend(Protocol):
         column / row normalisations (the first column one included; ``deepinfer.core.ops.sinkhorn``), all fp32.
         """
 
+    def collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """A sublayer's input [T, D] from the streams [T, n, D]: ``sum_i pre[:, i] * streams[:, i]`` computed in
+        fp32 and returned in the streams' dtype (``deepinfer.core.ops.mhc_collapse``)."""
+
+    def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+               ) -> torch.Tensor:
+        """The new streams [T, n, D]: ``post[:, o] * output + sum_i comb[:, i, o] * streams[:, i]`` computed in fp32
+        and rounded once to the output's dtype (``deepinfer.core.ops.mhc_expand``)."""
+
 
 @dataclass(slots=True)
 class ExpertWeights:

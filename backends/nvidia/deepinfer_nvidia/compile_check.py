@@ -60,6 +60,10 @@ CASES = {
     "compressor pool": (compress_pool._compress_pool_kernel, {"state_ptr": "*fp32", "rows_ptr": "*i64",
                                                               "weight_ptr": "*fp32", "out_ptr": "*fp32"},
                         {"RATIO": 4, "OVERLAP": 2, "D": 512}),
+    "mhc collapse": (mhc._collapse_kernel, {"streams_ptr": "*bf16", "pre_ptr": "*fp32", "out_ptr": "*bf16"},
+                     {"N": 4, "BLOCK_D": 1024}),
+    "mhc expand": (mhc._expand_kernel, {"streams_ptr": "*bf16", "output_ptr": "*bf16", "post_ptr": "*fp32",
+                                        "comb_ptr": "*fp32", "out_ptr": "*bf16"}, {"N": 4, "BLOCK_D": 1024}),
     "mhc": (mhc._mhc_kernel, {"logits_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32"},
             {"N": 4, "ITERS": 20, "BLOCK_T": 16}),
 }

@@ -1,8 +1,11 @@
-"""mHC coefficients in one Triton launch: the sigmoids and the whole Sinkhorn loop of each token in registers.
+"""mHC in Triton: the coefficients in one launch (the sigmoids and the whole Sinkhorn loop of each token in
+registers), the streams' collapse and expansion in one launch each.
 
-The reference spends ~120 kernel launches per call on [T, 4, 4] matrices (softmax, then 20 rounds of two
-normalisations), and the model calls it twice per layer: at decode that launch count, not arithmetic, is the cost.
-Here one program takes a block of tokens, keeps their n x n matrices in registers and unrolls the iterations.
+The reference spends ~120 kernel launches per coefficients call on [T, 4, 4] matrices (softmax, then 20 rounds of
+two normalisations), and the model calls it twice per layer: at decode that launch count, not arithmetic, is the
+cost. Here one program takes a block of tokens, keeps their n x n matrices in registers and unrolls the iterations.
+The collapse (a weighted sum of the n streams) and the expansion (the mix of the old streams plus the sublayer's
+output) are a few element-wise torch ops each; here each is one pass over the streams in fp32.
 """
 
 from __future__ import annotations
@@ -36,6 +39,51 @@ def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl
     tl.store(comb_ptr + rows[:, None, None] * (N * N) + cell[None, :, :], comb, mask=ok[:, None, None])
 
 
+@triton.jit
+def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, out_ptr, stride_out, D, N: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    i = tl.arange(0, N)
+    ok = offs < D
+    streams = tl.load(streams_ptr + token * stride_st + i[:, None] * stride_sn + offs[None, :], mask=ok[None, :],
+                      other=0.0).to(tl.float32)
+    pre = tl.load(pre_ptr + token * N + i)
+    out = tl.sum(pre[:, None] * streams, axis=0)
+    tl.store(out_ptr + token * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _expand_kernel(streams_ptr, stride_st, stride_sn, output_ptr, stride_o, post_ptr, comb_ptr, out_ptr, D,
+                   N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """New stream o = post[o] * output + sum_i comb[i, o] * streams[i] (out is contiguous [T, N, D])."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    i = tl.arange(0, N)
+    ok = offs < D
+    streams = tl.load(streams_ptr + token * stride_st + i[:, None] * stride_sn + offs[None, :], mask=ok[None, :],
+                      other=0.0).to(tl.float32)
+    output = tl.load(output_ptr + token * stride_o + offs, mask=ok, other=0.0).to(tl.float32)
+    comb = tl.load(comb_ptr + token * N * N + i[:, None] * N + i[None, :])  # [i, o]
+    post = tl.load(post_ptr + token * N + i)
+    new = post[:, None] * output[None, :] + tl.sum(comb[:, :, None] * streams[:, None, :], axis=0)
+    tl.store(out_ptr + (token * N + i[:, None]) * D + offs[None, :], new.to(out_ptr.dtype.element_ty),
+             mask=ok[None, :])
+
+
+def _checked(streams: torch.Tensor, *weights: torch.Tensor) -> None:
+    n = streams.shape[1]
+    if n & (n - 1) or streams.stride(-1) != 1:
+        raise ValueError(f"the Triton mHC kernels need a power-of-two stream count and unit-stride rows, got "
+                         f"{list(streams.shape)} with strides {streams.stride()}")
+    if any(w.dtype != torch.float32 or not w.is_contiguous() for w in weights):
+        raise ValueError("mHC weights (pre, post, comb) must be contiguous fp32")
+
+
+def _block_d(width: int) -> int:
+    return min(1024, triton.next_power_of_2(width))
+
+
 class TritonMHC:
     name = "triton"
     graph_safe = True
@@ -55,3 +103,26 @@ class TritonMHC:
             _mhc_kernel[(triton.cdiv(tokens, BLOCK_T),)](logits, logits.stride(0), pre, post, comb, tokens, eps, N=n,
                                                         ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T)
         return pre, post, comb
+
+    def collapse(self, streams, pre):
+        _checked(streams, pre)
+        tokens, n, width = streams.shape
+        out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
+        if tokens:
+            block = _block_d(width)
+            _collapse_kernel[(tokens, triton.cdiv(width, block))](streams, streams.stride(0), streams.stride(1), pre,
+                                                                  out, out.stride(0), width, N=n, BLOCK_D=block)
+        return out
+
+    def expand(self, streams, output, post, comb):
+        _checked(streams, post, comb)
+        tokens, n, width = streams.shape
+        if output.stride(-1) != 1:
+            output = output.contiguous()
+        out = torch.empty(tokens, n, width, dtype=output.dtype, device=streams.device)
+        if tokens:
+            block = _block_d(width)
+            _expand_kernel[(tokens, triton.cdiv(width, block))](streams, streams.stride(0), streams.stride(1), output,
+                                                                output.stride(0), post, comb, out, width, N=n,
+                                                                BLOCK_D=block)
+        return out

@@ -33,14 +33,11 @@ class HyperConnection(nn.Module):
         scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
         logits = torch.addcmul(self.base, mix, scales)
         pre, post, comb = self.backend.coefficients(logits, n, self.sinkhorn_iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return collapsed, post, comb
+        return self.backend.collapse(streams, pre), post, comb
 
-    @staticmethod
-    def expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        dtype = streams.dtype
-        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-        return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + mixed
+    def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        # fp32, rounded once (HF rounds the mix and the update to bf16 separately: within one bf16 step of this)
+        return self.backend.expand(streams, output, post, comb)
 
 
 class HyperHead(nn.Module):

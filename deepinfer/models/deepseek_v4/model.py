@@ -37,9 +37,9 @@ class Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, phases, caches: KVCache) -> torch.Tensor:
         x, post, comb = self.hc_attn.collapse(streams)
-        streams = HyperConnection.expand(streams, self.attn(self.attn_norm(x), batch, phases, caches), post, comb)
+        streams = self.hc_attn.expand(streams, self.attn(self.attn_norm(x), batch, phases, caches), post, comb)
         x, post, comb = self.hc_ffn.collapse(streams)
-        return HyperConnection.expand(streams, self.ffn(self.ffn_norm(x), batch.token_ids), post, comb)
+        return self.hc_ffn.expand(streams, self.ffn(self.ffn_norm(x), batch.token_ids), post, comb)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

@@ -68,14 +68,3 @@ class MixPredictor(nn.Module):
         scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
         logits = torch.addcmul(self.base, mixes, scales)
         return self.backend.coefficients(logits, n, self.sinkhorn_iters, self.hc_eps)
-
-
-def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
-
-
-def expand(output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New streams ``post * output + comb^T @ residual`` (``comb[i, o]`` carries input stream i to output o)."""
-    update = post.unsqueeze(-1) * output.unsqueeze(-2)
-    mixed = (comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(1)
-    return (update + mixed).to(output.dtype)

@@ -31,7 +31,7 @@ from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v41.attention import Attention, Selection
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.engram import Engram, NgramHasher
-from deepinfer.models.deepseek_v41.layers import ComplexRotary, MixPredictor, collapse, expand
+from deepinfer.models.deepseek_v41.layers import ComplexRotary, MixPredictor
 from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend, MHCBackend
 
 # Tensors kept in fp32 whatever the model dtype (as the release ships or computes them).
@@ -54,17 +54,18 @@ class Block(nn.Module):
         self.ffn = MoE(c, False, moe)
         self.ffn.gate.register_buffer("bias_vl", torch.zeros(c.n_routed_experts, dtype=torch.float32))
         self.engram = Engram(c, layer_id) if layer_id in c.engram_layer_ids else None
+        self.mhc = mhc
 
     def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection):
         if self.engram is not None:
             i = self.engram.index
             streams = self.engram(streams, batch.extras["engram_values"][:, i], batch.extras["engram_exponents"][:, i])
         attn_pre, post, comb = self.hc_attn(streams)
-        out = self.attn(self.attn_norm(collapse(streams, pre)), batch, phases, caches, selection)
-        streams = expand(out, streams, post, comb)
+        out = self.attn(self.attn_norm(self.mhc.collapse(streams, pre)), batch, phases, caches, selection)
+        streams = self.mhc.expand(streams, out, post, comb)
         ffn_pre, post, comb = self.hc_ffn(streams)
-        out = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), batch.token_ids)
-        return expand(out, streams, post, comb), ffn_pre
+        out = self.ffn(self.ffn_norm(self.mhc.collapse(streams, attn_pre)), batch.token_ids)
+        return self.mhc.expand(streams, out, post, comb), ffn_pre
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -75,6 +76,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.dtype = dtype
         self.rotary_main = ComplexRotary(c, compressed=False)
         self.rotary_compress = ComplexRotary(c, compressed=True)
+        self.mhc = mhc
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe, mhc)
@@ -178,7 +180,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         selection = Selection()
         for layer in self.layers:
             streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection)
-        return collapse(streams, pre)
+        return self.mhc.collapse(streams, pre)
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The normalized hidden state, fp32: what the vocabulary projection reads."""

@@ -1,8 +1,9 @@
-"""Reference hyper-connection weights: sigmoids and a Sinkhorn loop of small torch ops (``core.ops``)."""
+"""Reference hyper-connections: sigmoids and a Sinkhorn loop of small torch ops, the streams' collapse and
+expansion (``core.ops``)."""
 
 from __future__ import annotations
 
-from deepinfer.core.ops import mhc_coefficients
+from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand
 from deepinfer.plugins.hookspecs import hookimpl
 
 
@@ -12,6 +13,12 @@ class TorchMHC:
 
     def coefficients(self, logits, hc_mult, sinkhorn_iters, eps):
         return mhc_coefficients(logits, hc_mult, sinkhorn_iters, eps)
+
+    def collapse(self, streams, pre):
+        return mhc_collapse(streams, pre)
+
+    def expand(self, streams, output, post, comb):
+        return mhc_expand(streams, output, post, comb)
 
 
 @hookimpl(trylast=True)
