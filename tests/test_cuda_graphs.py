@@ -15,6 +15,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.core.cuda_graphs import DecodeGraphs
+from deepinfer.core.forward_batch import StepInputs
 from deepinfer.plugins.manager import registered
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
@@ -76,6 +77,43 @@ def test_graph_replay_matches_eager(which, tiny_v4_checkpoint):
     assert llm.engine.graphs is not None and llm.engine.graphs.graphs  # captured and replayed
     assert tokens == eager_tokens
     torch.testing.assert_close(logprobs, eager_logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["v4", "v4.1"])
+def test_decode_inputs_fast_path_equals_the_padded_generic_ones(which, tiny_v4_checkpoint):
+    """Padded decode steps build their inputs as lists (host time); they equal padding the generic inputs."""
+    model, args = dict(zip(["v4", "v4.1"], _models(tiny_v4_checkpoint)))[which]
+    llm = LLM(model, dtype="float32", device="cpu", block_size=16, **args)
+    for prompt in ([5, 9, 13], list(range(3, 70)), [7] * 33):
+        llm._submit(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine = llm.engine
+    prefill = engine.scheduler.schedule()
+    engine.scheduler.step_done(prefill)
+    for request, _, _ in prefill:
+        request.token_ids.append(11)
+    decode = engine.scheduler.schedule()
+    builder = engine.batch_builder
+    shape = DecodeGraphs(engine.model, engine.cache, builder, 8, engine.max_model_len, capture=False)._shape(decode)
+    fast, generic = builder.inputs(decode, shape), shape.pad(builder.inputs(decode))
+    assert fast.token_ids.shape[0] == 4 and fast.candidates == generic.candidates
+    assert fast.scratch_rows == generic.scratch_rows and fast.close_tokens == generic.close_tokens == {}
+    pairs = list(zip(fast._tensors(), generic._tensors(), strict=True))
+    assert pairs and all(a[:2] == b[:2] and a[2].dtype == b[2].dtype and torch.equal(a[2], b[2]) for a, b in pairs)
+
+
+def test_packed_inputs_are_aligned_views_of_one_buffer():
+    """A graph's static inputs and their staging copy: one buffer each, so a step moves them with one copy."""
+    inputs = StepInputs(token_ids=torch.arange(5), positions=torch.arange(5) + 7, owner=torch.arange(5),
+                        logits_rows=torch.arange(3), tables={"swa": torch.randint(-1, 9, (5, 4))}, close_tokens={},
+                        extras={"values": torch.randint(0, 255, (5, 2, 3), dtype=torch.uint8)}, candidates={4: 3})
+    buffer, views = inputs.packed_like("cpu")
+    views.copy_(inputs)
+    base = buffer.data_ptr()
+    for (name, key, view), (_, _, original) in zip(views._tensors(), inputs._tensors(), strict=True):
+        assert torch.equal(view, original) and view.dtype == original.dtype, (name, key)
+        assert base <= view.data_ptr() < base + buffer.numel() and (view.data_ptr() - base) % 16 == 0
+    buffer.zero_()  # the views see the buffer's bytes
+    assert not views.positions.any() and not views.extras["values"].any()
 
 
 def test_what_keeps_steps_eager_is_named(tiny_v4_checkpoint):

@@ -33,10 +33,20 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: StepInputs  # static, on the device
     hidden: torch.Tensor  # the final hidden rows the vocabulary projection reads, [padded batch, hidden]
-    # the inputs' pinned staging copy on the host, and the event after the last copy out of it: a step overwrites
-    # it only once the previous step's copy has run (usually long done: it preceded the step now running)
+    # ``inputs`` are views into one device buffer, ``staging`` into one pinned host buffer of the same layout: a
+    # step fills the staging views and moves them with one copy. The event follows that copy: a step overwrites
+    # the staging buffer only once the previous step's copy has run (usually long done: it preceded the step now
+    # running)
+    inputs_buffer: torch.Tensor
     staging: StepInputs
+    staging_buffer: torch.Tensor
     staged: torch.cuda.Event
+
+    def stage(self, inputs: StepInputs) -> None:
+        self.staged.synchronize()
+        self.staging.copy_(inputs)
+        self.inputs_buffer.copy_(self.staging_buffer, non_blocking=True)
+        self.staged.record()
 
 
 class DecodeGraphs:
@@ -73,15 +83,9 @@ class DecodeGraphs:
         key = (shape.num_tokens, shape.blocks)
         captured = self.graphs.get(key)
         if captured is None:
-            staging = inputs.pinned()
-            inputs = inputs.to(self.builder.device)
-            before_launch(inputs.token_ids)
-            captured = self.graphs[key] = self._capture(inputs, staging)
+            captured = self.graphs[key] = self._capture(inputs, before_launch)
         else:
-            captured.staged.synchronize()
-            captured.staging.copy_(inputs)
-            captured.inputs.copy_(captured.staging)
-            captured.staged.record()
+            captured.stage(inputs)
             before_launch(captured.inputs.token_ids)
         captured.graph.replay()
         return self.model.project_vocab(captured.hidden[: len(scheduled)])
@@ -90,8 +94,13 @@ class DecodeGraphs:
         batch = self.builder.derive(inputs)
         return self.model.final_hidden(self.model(batch, self.cache)[batch.logits_rows])
 
-    def _capture(self, inputs: StepInputs, staging: StepInputs) -> _Captured:
+    def _capture(self, host_inputs: StepInputs, before_launch) -> _Captured:
         start = time.perf_counter()
+        staging_buffer, staging = host_inputs.packed_like("cpu", pin_memory=True)
+        inputs_buffer, inputs = host_inputs.packed_like(self.builder.device)
+        captured = _Captured(None, inputs, None, inputs_buffer, staging, staging_buffer, torch.cuda.Event())
+        captured.stage(host_inputs)
+        before_launch(inputs.token_ids)
         self._forward(inputs)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -103,4 +112,5 @@ class DecodeGraphs:
                                "Pass enforce_eager=True to run every step eagerly, and report it") from exc
         logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", inputs.token_ids.shape[0],
                     inputs.candidates, time.perf_counter() - start)
-        return _Captured(graph, inputs, hidden, staging, torch.cuda.Event())
+        captured.graph, captured.hidden = graph, hidden
+        return captured

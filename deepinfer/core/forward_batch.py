@@ -76,10 +76,6 @@ class StepInputs:
     def to(self, device) -> "StepInputs":
         return self.map(lambda t: to_device(t, device))
 
-    def pinned(self) -> "StepInputs":
-        """A copy in pinned host memory: a staging buffer the device copies from without the host waiting."""
-        return self.map(torch.Tensor.pin_memory)
-
     def map(self, fn) -> "StepInputs":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         moved.update({name: dict(moved[name]) for name in ("tables", "close_tokens", "extras")})
@@ -90,6 +86,15 @@ class StepInputs:
             else:
                 moved[name][key] = t
         return StepInputs(**moved)
+
+    def packed_like(self, device, pin_memory: bool = False) -> tuple[torch.Tensor, "StepInputs"]:
+        """An empty byte buffer on ``device`` and inputs shaped like these whose tensors are views into it (each
+        at a 16-byte boundary): a captured graph's static inputs and their staging copy travel as one copy."""
+        spans = [-(-t.nbytes // 16) * 16 for _, _, t in self._tensors()]
+        flat = torch.empty(sum(spans), dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        offsets = iter(torch.tensor([0] + spans).cumsum(0).tolist())
+        views = self.map(lambda t: flat[(start := next(offsets)):start + t.nbytes].view(t.dtype).view(t.shape))
+        return flat, views
 
     def copy_(self, source: "StepInputs") -> None:
         """Overwrite these tensors in place (a staging buffer; a captured graph's static inputs) with ``source``'s;
@@ -157,6 +162,8 @@ class ForwardBatchBuilder:
 
     # -- host side ----------------------------------------------------------------------------
     def inputs(self, scheduled: list[tuple[object, int, int]], padded: PaddedShape | None = None) -> StepInputs:
+        if padded is not None and all(n == 1 for _, _, n in scheduled):
+            return self._padded_decode_inputs(scheduled, padded)
         requests = [r for r, _, _ in scheduled]
         positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
         owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
@@ -178,6 +185,34 @@ class ForwardBatchBuilder:
             candidates=widths,
         )
         return inputs if padded is None else padded.pad(inputs)
+
+    def _padded_decode_inputs(self, scheduled, padded: PaddedShape) -> StepInputs:
+        """``padded.pad(self.inputs(scheduled))`` for a decode step, built as padded lists and one tensor each:
+        every step of a CUDA-graph decode comes here, and at small batches the generic path's few dozen small
+        tensor ops were a good part of the host's step."""
+        n, blocks, pad = padded.num_tokens, padded.blocks, padded.num_tokens - len(scheduled)
+        token_ids = [r.token_ids[start] for r, start, _ in scheduled]
+        positions = [start for _, start, _ in scheduled]
+        tables = {}
+        for kind in self.rows_per_block:
+            rows = [list(r.tables.get(kind, ())[:blocks]) for r, _, _ in scheduled]
+            rows = [row + [-1] * (blocks - len(row)) for row in rows] + [[-1] * blocks] * pad
+            tables[kind] = torch.tensor(rows, dtype=torch.int64)
+        extras = {}
+        if self.token_history:  # computed for the real tokens; padded rows are ignored (zeros)
+            real = self.host_inputs(torch.tensor(token_ids), self._history(scheduled))
+            extras = {name: _pad_rows(t, n, 0) for name, t in real.items()}
+        return StepInputs(
+            token_ids=torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
+            positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
+            owner=torch.arange(n),
+            logits_rows=torch.arange(n),
+            tables=tables,
+            close_tokens={},
+            extras=extras,
+            candidates=padded.candidates,
+            scratch_rows=padded.scratch_rows,
+        )
 
     def _tables(self, requests, kind: str) -> torch.Tensor:
         rows = [r.tables.get(kind, ()) for r in requests]
