@@ -272,3 +272,22 @@ def test_compress_pool_matches_the_reference(ratio, overlap):
     assert ours.dtype == torch.float32 and ours.shape == (windows, dim)
     assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-5, equal_nan=True)
     assert torch.isfinite(ours[[0, *range(2, windows)]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, rope_dim", [((5, 64), 16), ((3, 4, 512), 64), ((1, 2, 32), 32), ((0, 3, 64), 16)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotate_matches_the_reference(shape, rope_dim, inverse, dtype):
+    """RoPE in one launch: the trailing pairs rotated in fp32, the rest copied."""
+    from deepinfer.core.ops import rotate_pairs
+
+    g = torch.Generator().manual_seed(sum(shape) + rope_dim)
+    x = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+    angles = torch.rand(shape[0], rope_dim // 2, generator=g) * 100
+    phases = torch.polar(torch.ones_like(angles), angles).to(DEVICE)
+    ours = TritonAttention().rotate(x, phases, rope_dim, inverse)
+    reference = rotate_pairs(x, phases, rope_dim, inverse)
+    assert ours.shape == x.shape and ours.dtype == dtype
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+    torch.testing.assert_close(ours, reference, **tolerance)
+    assert torch.equal(ours[..., :-rope_dim], x[..., :-rope_dim])

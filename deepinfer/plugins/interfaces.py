@@ -47,6 +47,12 @@ class AttentionBackend(Protocol):
         ``deepinfer.core.ops.compress_pool`` is the reference.
         """
 
+    def rotate(self, x: torch.Tensor, phases: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+        """RoPE: ``x`` [T, D] or [T, H, D] with its trailing ``rope_dim`` channels, read as interleaved pairs
+        (x[2i], x[2i+1]), multiplied as complex numbers by ``phases`` [T, rope_dim/2] complex64 (their conjugates
+        when ``inverse``), in fp32; the other channels unchanged; ``x``'s dtype (``deepinfer.core.ops.rotate_pairs``
+        is the reference)."""
+
     def store_rows(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes ``rows`` [n, D] at ``slots`` [n] (all valid) of a cache pool the attention reads: a row tensor
         (in its dtype) or ``FP8Rows`` (quantized; ``deepinfer.core.fp8_kv.store`` is the reference)."""

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks
+from deepinfer_nvidia import compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks, rope
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -57,6 +57,8 @@ CASES = {
                       {"TOP_K": 6, "BM": 16, "E_PAD": 256, "CHUNK": 64}),
     "expert combine": (moe_blocks._combine_kernel, {"down_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": "*bf16"},
                        {"TOP_K": 6, "BLOCK_D": 1024}),
+    "rope": (rope._rotate_kernel, {"x_ptr": "*bf16", "phases_ptr": "*fp32", "out_ptr": "*bf16"},
+             {"INVERSE": False, "BLOCK_PAIRS": 256}),
     "compressor pool": (compress_pool._compress_pool_kernel, {"state_ptr": "*fp32", "rows_ptr": "*i64",
                                                               "weight_ptr": "*fp32", "out_ptr": "*fp32"},
                         {"RATIO": 4, "OVERLAP": 2, "D": 512}),

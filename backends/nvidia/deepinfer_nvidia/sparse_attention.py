@@ -37,6 +37,7 @@ from deepinfer_nvidia.kv_store import ROW_BYTES as FP8_ROW_BYTES
 from deepinfer_nvidia.kv_store import SCALE_BYTES as FP8_SCALE_BYTES
 from deepinfer_nvidia.kv_store import TILE as FP8_TILE
 from deepinfer_nvidia.kv_store import store_rows
+from deepinfer_nvidia.rope import rotate
 
 LOG2E = math.log2(math.e)
 MIN_TILES_PER_SPLIT = 4  # below this a split writes about as many partial bytes as it reads key bytes
@@ -329,6 +330,9 @@ class TritonAttention:
 
     def store_rows(self, pool, slots, rows):
         store_rows(pool, slots, rows)
+
+    def rotate(self, x, phases, rope_dim, inverse=False):
+        return rotate(x, phases, rope_dim, inverse)
 
     def compress_pool(self, state, rows, ratio, overlap, norm_weight, eps):
         return compress_pool(state, rows, ratio, overlap, norm_weight, eps)

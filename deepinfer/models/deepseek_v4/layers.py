@@ -25,25 +25,14 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def rotate_pairs(x: torch.Tensor, phases: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
-    """Rotates the trailing ``rope_dim`` channels of ``x`` [T, D] or [T, heads, D], read as interleaved complex pairs
-    (x[2i], x[2i+1]), by ``phases`` [T, rope_dim/2] (unit complex numbers); the leading channels are left alone.
-    One complex product instead of a dozen real ops, in fp32."""
-    pairs = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
-    if x.dim() == 3:
-        phases = phases.unsqueeze(1)
-    if inverse:
-        phases = phases.conj()
-    rotated = torch.view_as_real(pairs * phases).flatten(-2).to(x.dtype)
-    return torch.cat((x[..., :-rope_dim], rotated), dim=-1)
-
-
 class Rotary:
-    """Interleaved (GPT-J) RoPE on the trailing ``rope_dim`` channels of each head."""
+    """Interleaved (GPT-J) RoPE on the trailing ``rope_dim`` channels of each head, applied by the attention backend
+    (``AttentionBackend.rotate``; ``deepinfer.core.ops.rotate_pairs`` is the reference)."""
 
-    def __init__(self, inv_freq: torch.Tensor):
+    def __init__(self, inv_freq: torch.Tensor, backend):
         self.inv_freq = inv_freq.float()
         self.rope_dim = 2 * inv_freq.numel()
+        self.backend = backend
 
     def phases(self, positions: torch.Tensor) -> torch.Tensor:
         """Unit complex numbers ``[T, rope_dim/2]``."""
@@ -53,4 +42,4 @@ class Rotary:
         return torch.polar(torch.ones_like(angles), angles)
 
     def apply(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return rotate_pairs(x, phases, self.rope_dim, inverse)
+        return self.backend.rotate(x, phases, self.rope_dim, inverse)

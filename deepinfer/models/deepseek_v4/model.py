@@ -52,8 +52,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         c = self.config = config
         self.dtype = dtype
-        self.rotary_main = Rotary(inv_freq(c, compressed=False))
-        self.rotary_compress = Rotary(inv_freq(c, compressed=True))
+        self.rotary_main = Rotary(inv_freq(c, compressed=False), attention)
+        self.rotary_compress = Rotary(inv_freq(c, compressed=True), attention)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe, mhc)

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.models.deepseek_v4.layers import rotate_pairs
 from deepinfer.plugins.interfaces import MHCBackend
 
 
 class ComplexRotary:
-    def __init__(self, config, compressed: bool):
+    """V4.1's RoPE (interleaved pairs, optional YaRN on the compressed path), applied by the attention backend."""
+
+    def __init__(self, config, compressed: bool, backend):
         dim = config.rope_head_dim
         theta = config.compress_rope_theta if compressed else config.rope_theta
         freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
@@ -35,6 +36,7 @@ class ComplexRotary:
             freqs = freqs / yarn.factor * ramp + freqs * (1 - ramp)
         self.freqs = freqs
         self.rope_dim = dim
+        self.backend = backend
 
     def phases(self, positions: torch.Tensor) -> torch.Tensor:
         """Unit complex numbers ``[T, rope_dim/2]``."""
@@ -44,7 +46,7 @@ class ComplexRotary:
         return torch.polar(torch.ones_like(angles), angles)
 
     def apply(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return rotate_pairs(x, phases, self.rope_dim, inverse)
+        return self.backend.rotate(x, phases, self.rope_dim, inverse)
 
 
 class MixPredictor(nn.Module):

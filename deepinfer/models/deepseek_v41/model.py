@@ -74,8 +74,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         super().__init__()
         c = self.config = config
         self.dtype = dtype
-        self.rotary_main = ComplexRotary(c, compressed=False)
-        self.rotary_compress = ComplexRotary(c, compressed=True)
+        self.rotary_main = ComplexRotary(c, compressed=False, backend=attention)
+        self.rotary_compress = ComplexRotary(c, compressed=True, backend=attention)
         self.mhc = mhc
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(

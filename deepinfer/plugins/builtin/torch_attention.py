@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.core import fp8_kv
-from deepinfer.core.ops import compress_pool, select_topk
+from deepinfer.core.ops import compress_pool, rotate_pairs, select_topk
 from deepinfer.plugins.hookspecs import hookimpl
 
 # Queries per chunk are chosen so one chunk's gathered keys stay near this many elements.
@@ -27,6 +27,9 @@ class TorchAttention:
 
     def compress_pool(self, state, rows, ratio, overlap, norm_weight, eps):
         return compress_pool(state, rows, ratio, overlap, norm_weight, eps)
+
+    def rotate(self, x, phases, rope_dim, inverse=False):
+        return rotate_pairs(x, phases, rope_dim, inverse)
 
     def sparse_attention(self, q, sources, sinks, scale):
         num_tokens, num_heads, dim = q.shape
