@@ -2,8 +2,9 @@
 releases ship) or float ones (bf16, fp16, fp32: tiny and converted models).
 
 Assignments (token, expert) are sorted by expert and cut into blocks of ``bm`` rows (16 at decode, 64 in long
-prefills) that each belong to one expert. How many blocks there are depends on the routing, which only the GPU knows; waiting for it would stall the host and
-forbid CUDA graphs. So the grid has a bound computed from shapes alone (each expert's last block may be partial:
+prefills) that each belong to one expert (``moe_blocks`` builds that table in one launch at decode). How many blocks
+there are depends on the routing, which only the GPU knows; waiting for it would stall the host and forbid CUDA
+graphs. So the grid has a bound computed from shapes alone (each expert's last block may be partial:
 ``ceil(T*k / bm) + min(E, T*k)``) and the surplus blocks get 0 rows and return before reading any weight. Nothing in
 ``routed_experts`` synchronises with the host or has a data-dependent shape: it can be captured in a CUDA graph and
 replayed with other routing.

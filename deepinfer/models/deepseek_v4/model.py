@@ -17,8 +17,9 @@ from deepinfer.models.deepseek_v4.mhc import HyperConnection, HyperHead
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.plugins.interfaces import AttentionBackend, MHCBackend, MoEBackend
 
-# Tensors that stay fp32 whatever the model dtype (as the checkpoints ship them).
-_FP32_SUFFIXES = ("norm.weight", "attn_sink", "ape", "gate.bias")
+# Tensors that stay fp32 whatever the model dtype: as the checkpoints ship them, and the router's weight, which it
+# multiplies in fp32 (kept so, it is not widened again in every step)
+_FP32_SUFFIXES = ("norm.weight", "attn_sink", "ape", "gate.bias", ".gate.weight")
 # Our module paths -> DeepSeek's tensor names for the hyper-connection parameters.
 _HC_NAMES = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 

@@ -34,8 +34,9 @@ from deepinfer.models.deepseek_v41.engram import Engram, NgramHasher
 from deepinfer.models.deepseek_v41.layers import ComplexRotary, MixPredictor
 from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend, MHCBackend
 
-# Tensors kept in fp32 whatever the model dtype (as the release ships or computes them).
-_FP32_SUFFIXES = ("norm.weight", "attn_sink", "gate.bias", "gate.bias_vl", "compressor.wkv.weight",
+# Tensors kept in fp32 whatever the model dtype (as the release ships or computes them; the router multiplies its
+# weight in fp32)
+_FP32_SUFFIXES = ("norm.weight", "attn_sink", "gate.bias", "gate.bias_vl", ".gate.weight", "compressor.wkv.weight",
                   "compressor.wgate.weight", "head.weight")
 _HC_NAMES = re.compile(r"(hc_attn|hc_ffn)\.(fn|base|scale)$")
 _ENGRAM_TABLE = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)$")
