@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Issue 6 on the lent H200: install with build.sh, kernel and CUDA-graph tests natively, flash4L benchmarks
-# against HF transformers and the measured roofline. One section per device call (each must stay < 10 min):
+# against HF transformers and the measured roofline. One section per device call (each must stay < 10 min; a
+# session has 30 min of device time, and a fresh box spends minutes compiling Triton kernels in its first model run):
 #
-#   tools/gpu_flash4l.sh install,tests,kernels,small $OUT   then   install,idle $OUT   then   install,large,v41,profile $OUT
+#   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
-# Sections: install, tests (every NVIDIA kernel test), quicktests, roofline, kernels (tools/gpu_kernels.py),
-# profile (tools/profile_decode.py at batch 1 and 16), idle (device idle share between replayed decode steps, with
-# and without asynchronous scheduling: issue 7), small (batch 1 and 16 against HF, batch 1 eager, batch 1 and 16
-# without asynchronous scheduling), large (batch 64 and 256, an 8192-token prefill against HF), v41 (the
-# V4.1-Flash-shaped fixture at batch 1 and 64). TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`.
-# A fresh box spends minutes compiling Triton kernels in its first model run: budget for it in the first section.
+# Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
+# kernels (tools/gpu_kernels.py), profile (tools/profile_decode.py at batch 1 and 16), idle (device idle share
+# between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
+# HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
+# (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64).
+# TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`. Results come back as results.tgz.
 set -uo pipefail
 sections=",$1,"
 # the device tool returns a few files only: results go to one archive, repacked as each section starts
@@ -45,6 +46,15 @@ if has tests; then
     timeout 300 python -m pytest -q -x ${TESTS:-tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
         tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py \
         tests/test_fp8_kv_cache.py} 2>&1 | tee "$out/tests.txt" | tail -15
+fi
+if has debug; then  # the FP8 cache read by Triton's attention faults in padded decode steps (issue 6): where
+    stamp "debug fp8 graph fault"
+    CUDA_LAUNCH_BLOCKING=1 timeout 200 python -m pytest -q -x tests/test_fp8_kv_cache.py -k replay 2>&1 \
+        | grep -vE "^frame #|^\s*$" | tail -60 > "$out/debug_fp8.txt"
+    if command -v compute-sanitizer >/dev/null; then
+        timeout 300 compute-sanitizer --tool memcheck --print-limit 5 python -m pytest -q -x tests/test_fp8_kv_cache.py \
+            -k replay 2>&1 | head -120 > "$out/sanitizer_fp8.txt"
+    fi
 fi
 if has quicktests; then  # the tests of what changes most often
     stamp quicktests
