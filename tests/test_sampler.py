@@ -112,6 +112,15 @@ def test_blocked_tokens_are_never_chosen():
     assert out.token_ids.item() != 3
 
 
+@pytest.mark.parametrize("edits", [{}, {"blocked_token_ids": [[3], []]}, {"repetition_penalty": 1.5,
+                                                                         "output_token_ids": [[1, 2], [0]]}])
+def test_the_callers_logits_are_left_alone(edits):
+    logits = random_logits(2, seed=4)
+    kept = logits.clone()
+    TorchSampler().sample(logits, make_batch(2, temperature=0.7, top_k=5, **edits))
+    assert torch.equal(logits, kept)
+
+
 def test_penalties_match_hand_computation():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.5, -0.5, 0.0]])
     batch = make_batch(

@@ -30,10 +30,11 @@ class TorchSampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()  # the caller's tensor is left untouched
-        _block_tokens(logits, batch.blocked_token_ids)
-        if batch.any_penalties:
-            _apply_penalties(logits, batch)
+        if any(batch.blocked_token_ids) or batch.any_penalties:  # edited in place: the caller's tensor is left alone
+            logits = logits.clone()
+            _block_tokens(logits, batch.blocked_token_ids)
+            if batch.any_penalties:
+                _apply_penalties(logits, batch)
 
         token_ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
