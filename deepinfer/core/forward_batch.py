@@ -248,13 +248,12 @@ class ForwardBatchBuilder:
         return batch
 
     def _slots(self, table: torch.Tensor, kind: str, owner: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Row slot of ``positions`` (any shape, paired with ``owner``); -1 for positions < 0."""
-        valid = positions >= 0
-        pos = positions.clamp(min=0)
-        block = table[owner, (pos // self.block_size).clamp(max=table.shape[1] - 1)]
-        rows = self.rows_per_block[kind]
-        slot = block * rows + (pos % self.block_size) // (self.block_size // rows)
-        return torch.where(valid & (block >= 0), slot, -1)
+        """Row slot of ``positions`` (any shape, paired with ``owner``); -1 for positions < 0 or without a block.
+        Each op here is a kernel of every decode step: the masks fold into one sign test of ``positions | block``."""
+        size, rows = self.block_size, self.rows_per_block[kind]
+        block = table[owner, (positions // size).clamp(0, table.shape[1] - 1)]
+        within = positions % size if rows == size else positions % size // (size // rows)
+        return torch.where((positions | block) >= 0, block * rows + within, -1)
 
     @staticmethod
     def _writes(inputs: StepInputs, kind: str, slots: torch.Tensor) -> torch.Tensor:
