@@ -57,6 +57,15 @@ def test_collapse_and_expand_match_the_reference(tokens, n, width, dtype):
     torch.testing.assert_close(expanded, mhc_expand(streams, output, post, comb), **tolerance)
 
 
-def test_collapse_refuses_odd_stream_counts():
+def test_collapse_refuses_odd_stream_counts_and_half_weights():
     with pytest.raises(ValueError, match="power-of-two stream count"):
         TritonMHC().collapse(torch.randn(2, 3, 64, device=DEVICE), torch.rand(2, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="must be fp32"):
+        TritonMHC().collapse(torch.randn(2, 4, 64, device=DEVICE), torch.rand(2, 4, device=DEVICE).half())
+
+
+def test_strided_weights_are_read_as_given():
+    g = torch.Generator().manual_seed(5)
+    streams = torch.randn(3, 4, 64, generator=g).to(DEVICE)
+    pre = torch.rand(4, 3, generator=g).to(DEVICE).T  # a transposed view
+    torch.testing.assert_close(TritonMHC().collapse(streams, pre), mhc_collapse(streams, pre), rtol=1e-5, atol=1e-5)

@@ -71,13 +71,15 @@ def _expand_kernel(streams_ptr, stride_st, stride_sn, output_ptr, stride_o, post
              mask=ok[None, :])
 
 
-def _checked(streams: torch.Tensor, *weights: torch.Tensor) -> None:
+def _checked(streams: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``streams`` and the weights as the kernels read them: unit-stride rows, contiguous fp32 weights."""
     n = streams.shape[1]
-    if n & (n - 1) or streams.stride(-1) != 1:
-        raise ValueError(f"the Triton mHC kernels need a power-of-two stream count and unit-stride rows, got "
-                         f"{list(streams.shape)} with strides {streams.stride()}")
-    if any(w.dtype != torch.float32 or not w.is_contiguous() for w in weights):
-        raise ValueError("mHC weights (pre, post, comb) must be contiguous fp32")
+    if n & (n - 1):
+        raise ValueError(f"the Triton mHC kernels need a power-of-two stream count, got {list(streams.shape)}")
+    if any(w.dtype != torch.float32 for w in weights):
+        raise ValueError(f"mHC weights (pre, post, comb) must be fp32, got {[w.dtype for w in weights]}")
+    streams = streams if streams.stride(-1) == 1 else streams.contiguous()
+    return (streams, *(w.contiguous() for w in weights))
 
 
 def _block_d(width: int) -> int:
@@ -105,7 +107,7 @@ class TritonMHC:
         return pre, post, comb
 
     def collapse(self, streams, pre):
-        _checked(streams, pre)
+        streams, pre = _checked(streams, pre)
         tokens, n, width = streams.shape
         out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
         if tokens:
@@ -115,7 +117,7 @@ class TritonMHC:
         return out
 
     def expand(self, streams, output, post, comb):
-        _checked(streams, post, comb)
+        streams, post, comb = _checked(streams, post, comb)
         tokens, n, width = streams.shape
         if output.stride(-1) != 1:
             output = output.contiguous()

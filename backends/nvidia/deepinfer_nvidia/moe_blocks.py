@@ -107,6 +107,8 @@ def combine(down: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) 
     """``(down.view(T, k, D) * topk_weights[..., None]).sum(1).to(dtype)`` in one launch (``down`` fp32 [T*k, D])."""
     tokens, top_k = topk_weights.shape
     width = down.shape[1]
+    topk_weights = topk_weights if topk_weights.stride(-1) == 1 else topk_weights.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
     out = torch.empty(tokens, width, dtype=dtype, device=down.device)
     if tokens:
         block = min(1024, triton.next_power_of_2(width))
