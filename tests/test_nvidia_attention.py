@@ -77,19 +77,22 @@ def test_sparse_attention_matches_the_reference(tokens, heads, dim, widths, rows
     assert torch.all((ours.float() - reference.float()).abs() <= _tolerance(reference, dtype))
 
 
-@pytest.mark.parametrize("tokens, widths, splits", [(3, (20, 70), None), (2, (33,), 3)])
-def test_fp8_pools_read_like_the_reference(tokens, widths, splits):
+@pytest.mark.parametrize("tokens, heads, widths, splits", [(3, 16, (20, 70), None), (2, 16, (33,), 3),
+                                                           (2, 2, (128, 256), 3), (4, 2, (128, 256), None)])
+def test_fp8_pools_read_like_the_reference(tokens, heads, widths, splits):
     """Keys in the FP8 KV layout: the kernel decodes them where it gathers them; the reference reads the same
-    rows dequantized (indexing ``FP8Rows``)."""
-    g = torch.Generator().manual_seed(tokens)
-    heads, rows = 16, 130
+    rows dequantized (indexing ``FP8Rows``). The two-head cases have a padded decode step's shapes: a 128-row
+    window and 256 candidates read through a view of a wider table, merged over splits."""
+    g = torch.Generator().manual_seed(tokens + heads)
+    rows = 130
     q = torch.randn(tokens, heads, 512, generator=g).to(torch.bfloat16).to(DEVICE)
     sources = []
     for width in widths:
         pool = FP8Rows.zeros(rows, DEVICE)
         scales = torch.exp2(torch.randint(-4, 4, (rows, 1), generator=g).float())
         pool.write(torch.arange(rows, device=DEVICE), (torch.randn(rows, 512, generator=g) * scales).to(DEVICE))
-        sources.append((pool, _indices(tokens, width, rows, g).to(DEVICE)))
+        wider = torch.cat([_indices(tokens, width, rows, g), torch.zeros(tokens, 1, dtype=torch.int64)], 1)
+        sources.append((pool, wider.to(DEVICE)[:, :width]))  # row stride width + 1, as the padded path's views
     sinks = torch.randn(heads, generator=g).to(DEVICE)
     ours = sparse_attention(q, sources, sinks, 512**-0.5, splits=splits)
     reference = REFERENCE.sparse_attention(q, sources, sinks, 512**-0.5)
