@@ -19,17 +19,15 @@ from pathlib import Path
 from torch.profiler import profile, record_function
 from triton.runtime import interpreter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_cuda_graphs import _padded_eagerly  # noqa: E402
-
-from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.plugins import hookimpl  # noqa: E402
-from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
-from deepinfer.plugins.manager import registered  # noqa: E402
-from deepinfer.testing.tiny_v4 import build_tiny_v4  # noqa: E402
-from deepinfer_nvidia.mhc import TritonMHC  # noqa: E402
-from deepinfer_nvidia.moe import TritonMoE  # noqa: E402
-from deepinfer_nvidia.sparse_attention import TritonAttention  # noqa: E402
+from deepinfer import LLM, SamplingParams
+from deepinfer.core.cuda_graphs import DecodeGraphs
+from deepinfer.plugins import hookimpl
+from deepinfer.plugins.builtin.torch_moe import TorchMoE
+from deepinfer.plugins.manager import registered
+from deepinfer.testing.tiny_v4 import build_tiny_v4
+from deepinfer_nvidia.mhc import TritonMHC
+from deepinfer_nvidia.moe import TritonMoE
+from deepinfer_nvidia.sparse_attention import TritonAttention
 
 NO_KERNEL = {"view", "as_strided", "empty", "empty_strided", "unsqueeze", "squeeze", "slice", "select", "expand",
              "t", "transpose", "permute", "reshape", "_reshape_alias", "detach", "alias", "lift_fresh", "_unsafe_view",
@@ -76,7 +74,9 @@ def main() -> None:
     prompt = [list(range(3, 200))]
     with registered(_triton_on_cpu(), "triton_on_cpu"):
         llm = LLM(str(checkpoint), dtype=sys.argv[1] if len(sys.argv) > 1 else "bfloat16", device="cpu")
-        _padded_eagerly(llm)
+        engine = llm.engine  # decode steps padded as for a CUDA graph, run eagerly
+        engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
+                                     capture=False)
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         ranges = {}
 
