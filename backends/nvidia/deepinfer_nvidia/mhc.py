@@ -40,14 +40,22 @@ def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl
 
 
 @triton.jit
-def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, out_ptr, stride_out, D, N: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+def _streams_tile(streams_ptr, stride_st, stride_sn, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's token, its BLOCK_D channels (and which exist), stream ids, and those channels of its N
+    streams [N, BLOCK_D] in fp32."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     i = tl.arange(0, N)
     ok = offs < D
     streams = tl.load(streams_ptr + token * stride_st + i[:, None] * stride_sn + offs[None, :], mask=ok[None, :],
                       other=0.0).to(tl.float32)
+    return token, offs, ok, i, streams
+
+
+@triton.jit
+def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, out_ptr, stride_out, D, N: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    token, offs, ok, i, streams = _streams_tile(streams_ptr, stride_st, stride_sn, D, N, BLOCK_D)
     pre = tl.load(pre_ptr + token * N + i)
     out = tl.sum(pre[:, None] * streams, axis=0)
     tl.store(out_ptr + token * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
@@ -57,12 +65,7 @@ def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, out_ptr, stride
 def _expand_kernel(streams_ptr, stride_st, stride_sn, output_ptr, stride_o, post_ptr, comb_ptr, out_ptr, D,
                    N: tl.constexpr, BLOCK_D: tl.constexpr):
     """New stream o = post[o] * output + sum_i comb[i, o] * streams[i] (out is contiguous [T, N, D])."""
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    i = tl.arange(0, N)
-    ok = offs < D
-    streams = tl.load(streams_ptr + token * stride_st + i[:, None] * stride_sn + offs[None, :], mask=ok[None, :],
-                      other=0.0).to(tl.float32)
+    token, offs, ok, i, streams = _streams_tile(streams_ptr, stride_st, stride_sn, D, N, BLOCK_D)
     output = tl.load(output_ptr + token * stride_o + offs, mask=ok, other=0.0).to(tl.float32)
     comb = tl.load(comb_ptr + token * N * N + i[:, None] * N + i[None, :])  # [i, o]
     post = tl.load(post_ptr + token * N + i)
