@@ -77,6 +77,7 @@ fi
 if has kernels; then
     stamp kernels
     timeout 200 python tools/gpu_kernels.py 2>&1 | tee "$out/kernels.json" | tail -40
+    timeout 100 python tools/gpu_kernels.py --triton-fp8 2>&1 | tee "$out/kernels_triton_fp8.json" | tail -12
 fi
 
 python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L >/dev/null

@@ -1,6 +1,6 @@
 """Kernel-level figures of the NVIDIA backend at DeepSeek-V4-Flash shapes (issue 6), printed as JSON.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py
+    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8]
 
 - Sparse attention, decode: 64 heads x 512, a 128-row window plus 512 indexer-selected compressed entries per
   token, bf16 pools; batch 1, 16, 128 (FlashMLA's H200 time at 128 is 51.8 µs, kernel-anchors §1), with the
@@ -203,7 +203,33 @@ def deepgemm_peer() -> list[dict]:
     return rows
 
 
+def triton_fp8_attention() -> list[dict]:
+    """Our kernel reading the FP8 rows itself (the layout FlashMLA reads), on flashmla_peer's problem. Run alone
+    (``--triton-fp8``): this path has faulted natively in padded decode steps (issue 6), and a fault ends the
+    process."""
+    rows = []
+    heads, dim, window, selected, pool_rows = 64, 512, 128, 512, 1 << 16
+    backend = TritonAttention()
+    for batch in (1, 16, 128):
+        def one() -> dict:
+            comp = _fp8_pool(torch.randn(pool_rows, dim, device=DEVICE).to(torch.bfloat16))
+            swa = _fp8_pool(torch.randn(pool_rows, dim, device=DEVICE).to(torch.bfloat16))
+            q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=DEVICE)
+            sources = [(swa, torch.randint(0, pool_rows, (batch, window), device=DEVICE)),
+                       (comp, torch.randint(0, pool_rows, (batch, selected), device=DEVICE))]
+            sinks, scale = torch.randn(heads, device=DEVICE), dim**-0.5
+            us = _graph_us(lambda: backend.sparse_attention(q, sources, sinks, scale))
+            return {"batch": batch, "triton_fp8_us": round(us, 1)}
+        rows.append(_attempt(one))
+    return rows
+
+
 if __name__ == "__main__":
-    print(json.dumps({"device": torch.cuda.get_device_name(), "deepseek_kernels": deepseek_kernels.report(),
-                      "attention": attention(), "flashmla": flashmla_peer(), "experts": experts(),
-                      "deepgemm": deepgemm_peer(), "prefill_experts": prefill_experts()}, indent=1))
+    import sys
+
+    if sys.argv[1:] == ["--triton-fp8"]:
+        print(json.dumps({"triton_fp8_attention": triton_fp8_attention()}, indent=1))
+    else:
+        print(json.dumps({"device": torch.cuda.get_device_name(), "deepseek_kernels": deepseek_kernels.report(),
+                          "attention": attention(), "flashmla": flashmla_peer(), "experts": experts(),
+                          "deepgemm": deepgemm_peer(), "prefill_experts": prefill_experts()}, indent=1))
