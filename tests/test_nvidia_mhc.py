@@ -39,7 +39,7 @@ def test_strided_or_half_logits_are_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, n, width", [(1, 4, 64), (9, 4, 96), (3, 2, 2048), (0, 4, 64)])
+@pytest.mark.parametrize("tokens, n, width", [(1, 4, 64), (9, 4, 96), (3, 2, 2048), (2, 4, 3000), (0, 4, 64)])
 def test_collapse_and_expand_match_the_reference(tokens, n, width, dtype):
     """One pass over the streams each, in fp32 rounded once, as ``core.ops`` computes them."""
     g = torch.Generator().manual_seed(tokens * 13 + width)
@@ -52,6 +52,11 @@ def test_collapse_and_expand_match_the_reference(tokens, n, width, dtype):
     collapsed = backend.collapse(streams, pre)
     assert collapsed.dtype == dtype
     torch.testing.assert_close(collapsed, mhc_collapse(streams, pre), **tolerance)
+    weight = (torch.rand(width, generator=g) + 0.5).to(DEVICE)  # the sublayer's input norm, fused
+    normed = backend.collapse(streams, pre, weight, 1e-6)
+    if dtype == torch.bfloat16:  # the reference rounds the sum to bf16 before the norm, the kernel does not
+        tolerance = {"rtol": 2**-6, "atol": 2**-6}
+    torch.testing.assert_close(normed, mhc_collapse(streams, pre, weight, 1e-6), **tolerance)
     expanded = backend.expand(streams, output, post, comb)
     assert expanded.shape == (tokens, n, width) and expanded.dtype == dtype
     torch.testing.assert_close(expanded, mhc_expand(streams, output, post, comb), **tolerance)

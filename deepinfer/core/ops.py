@@ -55,9 +55,14 @@ def mhc_coefficients(logits: torch.Tensor, hc_mult: int, sinkhorn_iters: int, ep
     return pre, post, comb
 
 
-def mhc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """``MHCBackend.collapse`` in torch: ``sum_i pre[:, i] * streams[:, i]`` in fp32, in the streams' dtype."""
-    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+def mhc_collapse(streams: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """``MHCBackend.collapse`` in torch: ``sum_i pre[:, i] * streams[:, i]`` in fp32, in the streams' dtype; then,
+    with ``norm_weight``, the sublayer's input RMSNorm as the models' ``RMSNorm`` computes it."""
+    collapsed = (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+    if norm_weight is None:
+        return collapsed
+    return F.rms_norm(collapsed.float(), norm_weight.shape, norm_weight, eps).to(streams.dtype)
 
 
 def mhc_expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

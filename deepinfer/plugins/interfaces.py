@@ -114,9 +114,11 @@ class MHCBackend(Protocol):
         column / row normalisations (the first column one included; ``deepinfer.core.ops.sinkhorn``), all fp32.
         """
 
-    def collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    def collapse(self, streams: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
         """A sublayer's input [T, D] from the streams [T, n, D]: ``sum_i pre[:, i] * streams[:, i]`` computed in
-        fp32 and returned in the streams' dtype (``deepinfer.core.ops.mhc_collapse``)."""
+        fp32 and returned in the streams' dtype; with ``norm_weight`` [D] fp32, RMS-normalized (``eps``) and scaled
+        by it, the sublayer's input norm (``deepinfer.core.ops.mhc_collapse``)."""
 
     def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
                ) -> torch.Tensor:

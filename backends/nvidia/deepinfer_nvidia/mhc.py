@@ -40,32 +40,52 @@ def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl
 
 
 @triton.jit
-def _streams_tile(streams_ptr, stride_st, stride_sn, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's token, its BLOCK_D channels (and which exist), stream ids, and those channels of its N
-    streams [N, BLOCK_D] in fp32."""
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    i = tl.arange(0, N)
+def _streams_tile(streams_ptr, stride_st, stride_sn, token, start, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Channels ``start ..`` of ``token``'s N streams: their offsets, which exist, and the tile [N, BLOCK_D] in
+    fp32."""
+    offs = start + tl.arange(0, BLOCK_D)
     ok = offs < D
-    streams = tl.load(streams_ptr + token * stride_st + i[:, None] * stride_sn + offs[None, :], mask=ok[None, :],
-                      other=0.0).to(tl.float32)
-    return token, offs, ok, i, streams
+    streams = tl.load(streams_ptr + token * stride_st + tl.arange(0, N)[:, None] * stride_sn + offs[None, :],
+                      mask=ok[None, :], other=0.0).to(tl.float32)
+    return offs, ok, streams
 
 
 @triton.jit
-def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, out_ptr, stride_out, D, N: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    token, offs, ok, i, streams = _streams_tile(streams_ptr, stride_st, stride_sn, D, N, BLOCK_D)
+def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, weight_ptr, out_ptr, stride_out, D, eps,
+                     N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    """One token's row: the pre-weighted sum of its streams, RMS-normalized and scaled by the weight with NORM
+    (a first pass over the row for the sum of squares; the second recomputes the sum, cheaper than keeping it)."""
+    token = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, N)
     pre = tl.load(pre_ptr + token * N + i)
-    out = tl.sum(pre[:, None] * streams, axis=0)
-    tl.store(out_ptr + token * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
+    rstd = 1.0
+    if NORM:
+        squares = tl.zeros((BLOCK_D,), tl.float32)
+        start = 0
+        while start < D:  # while loops: the interpreter's range() wants constexpr bounds
+            _, _, streams = _streams_tile(streams_ptr, stride_st, stride_sn, token, start, D, N, BLOCK_D)
+            collapsed = tl.sum(pre[:, None] * streams, axis=0)
+            squares += collapsed * collapsed
+            start += BLOCK_D
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / D + eps)
+    start = 0
+    while start < D:
+        offs, ok, streams = _streams_tile(streams_ptr, stride_st, stride_sn, token, start, D, N, BLOCK_D)
+        out = tl.sum(pre[:, None] * streams, axis=0)
+        if NORM:
+            out = out * rstd * tl.load(weight_ptr + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + token * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
+        start += BLOCK_D
 
 
 @triton.jit
 def _expand_kernel(streams_ptr, stride_st, stride_sn, output_ptr, stride_o, post_ptr, comb_ptr, out_ptr, D,
                    N: tl.constexpr, BLOCK_D: tl.constexpr):
     """New stream o = post[o] * output + sum_i comb[i, o] * streams[i] (out is contiguous [T, N, D])."""
-    token, offs, ok, i, streams = _streams_tile(streams_ptr, stride_st, stride_sn, D, N, BLOCK_D)
+    token = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, N)
+    offs, ok, streams = _streams_tile(streams_ptr, stride_st, stride_sn, token, tl.program_id(1) * BLOCK_D, D, N,
+                                      BLOCK_D)
     output = tl.load(output_ptr + token * stride_o + offs, mask=ok, other=0.0).to(tl.float32)
     comb = tl.load(comb_ptr + token * N * N + i[:, None] * N + i[None, :])  # [i, o]
     post = tl.load(post_ptr + token * N + i)
@@ -109,14 +129,17 @@ class TritonMHC:
                                                         ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T)
         return pre, post, comb
 
-    def collapse(self, streams, pre):
+    def collapse(self, streams, pre, norm_weight=None, eps=0.0):
         streams, pre = _checked(streams, pre)
         tokens, n, width = streams.shape
+        norm = norm_weight is not None
+        if norm and norm_weight.dtype != torch.float32:
+            raise ValueError(f"the input norm's weight must be fp32, got {norm_weight.dtype}")
+        weight = norm_weight.contiguous() if norm else pre  # unread without the norm
         out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
         if tokens:
-            block = _block_d(width)
-            _collapse_kernel[(tokens, triton.cdiv(width, block))](streams, streams.stride(0), streams.stride(1), pre,
-                                                                  out, out.stride(0), width, N=n, BLOCK_D=block)
+            _collapse_kernel[(tokens,)](streams, streams.stride(0), streams.stride(1), pre, weight, out, out.stride(0),
+                                        width, eps, N=n, BLOCK_D=_block_d(width), NORM=norm)
         return out
 
     def expand(self, streams, output, post, comb):

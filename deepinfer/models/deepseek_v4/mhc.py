@@ -26,14 +26,14 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
 
-    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``streams`` [T, n, D] -> (sublayer input [T, D], post [T, n], comb [T, n, n])."""
+    def collapse(self, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams`` [T, n, D] -> (sublayer input [T, D] normalized by ``norm``, post [T, n], comb [T, n, n])."""
         n = self.hc_mult
         mix = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps) @ self.fn.T
         scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
         logits = torch.addcmul(self.base, mix, scales)
         pre, post, comb = self.backend.coefficients(logits, n, self.sinkhorn_iters, self.hc_eps)
-        return self.backend.collapse(streams, pre), post, comb
+        return self.backend.collapse(streams, pre, norm.weight, norm.eps), post, comb
 
     def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         # fp32, rounded once (HF rounds the mix and the update to bf16 separately: within one bf16 step of this)

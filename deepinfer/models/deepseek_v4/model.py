@@ -37,10 +37,10 @@ class Block(nn.Module):
         self.ffn = MoE(c, c.hash_layers[layer_id], moe)
 
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, phases, caches: KVCache) -> torch.Tensor:
-        x, post, comb = self.hc_attn.collapse(streams)
-        streams = self.hc_attn.expand(streams, self.attn(self.attn_norm(x), batch, phases, caches), post, comb)
-        x, post, comb = self.hc_ffn.collapse(streams)
-        return self.hc_ffn.expand(streams, self.ffn(self.ffn_norm(x), batch.token_ids), post, comb)
+        x, post, comb = self.hc_attn.collapse(streams, self.attn_norm)
+        streams = self.hc_attn.expand(streams, self.attn(x, batch, phases, caches), post, comb)
+        x, post, comb = self.hc_ffn.collapse(streams, self.ffn_norm)
+        return self.hc_ffn.expand(streams, self.ffn(x, batch.token_ids), post, comb)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

@@ -62,10 +62,12 @@ class Block(nn.Module):
             i = self.engram.index
             streams = self.engram(streams, batch.extras["engram_values"][:, i], batch.extras["engram_exponents"][:, i])
         attn_pre, post, comb = self.hc_attn(streams)
-        out = self.attn(self.attn_norm(self.mhc.collapse(streams, pre)), batch, phases, caches, selection)
+        norm = self.attn_norm
+        out = self.attn(self.mhc.collapse(streams, pre, norm.weight, norm.eps), batch, phases, caches, selection)
         streams = self.mhc.expand(streams, out, post, comb)
         ffn_pre, post, comb = self.hc_ffn(streams)
-        out = self.ffn(self.ffn_norm(self.mhc.collapse(streams, attn_pre)), batch.token_ids)
+        norm = self.ffn_norm
+        out = self.ffn(self.mhc.collapse(streams, attn_pre, norm.weight, norm.eps), batch.token_ids)
         return self.mhc.expand(streams, out, post, comb), ffn_pre
 
 

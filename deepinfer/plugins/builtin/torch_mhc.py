@@ -14,8 +14,8 @@ class TorchMHC:
     def coefficients(self, logits, hc_mult, sinkhorn_iters, eps):
         return mhc_coefficients(logits, hc_mult, sinkhorn_iters, eps)
 
-    def collapse(self, streams, pre):
-        return mhc_collapse(streams, pre)
+    def collapse(self, streams, pre, norm_weight=None, eps=0.0):
+        return mhc_collapse(streams, pre, norm_weight, eps)
 
     def expand(self, streams, output, post, comb):
         return mhc_expand(streams, output, post, comb)
