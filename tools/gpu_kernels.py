@@ -124,30 +124,40 @@ def _fp8_pool(rows: torch.Tensor) -> FP8Rows:
     return pool
 
 
+FP8_DECODE = dict(heads=64, dim=512, window=128, selected=512, pool_rows=1 << 16)
+
+
+def _fp8_decode_problem(batch: int):
+    """V4-Flash decode attention over FP8 rows: window and compressed pools, queries [B, H, D], index lists
+    (int64) into each, sinks and the softmax scale."""
+    heads, dim, rows = FP8_DECODE["heads"], FP8_DECODE["dim"], FP8_DECODE["pool_rows"]
+    swa, comp = (_fp8_pool(torch.randn(rows, dim, device=DEVICE).to(torch.bfloat16)) for _ in range(2))
+    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=DEVICE)
+    window_idx, comp_idx = (torch.randint(0, rows, (batch, FP8_DECODE[k]), device=DEVICE)
+                            for k in ("window", "selected"))
+    return swa, comp, q, window_idx, comp_idx, torch.randn(heads, device=DEVICE), dim**-0.5
+
+
 def flashmla_peer() -> list[dict]:
-    """FlashMLA and our kernel on the same FP8 cache (ours reads it dequantized to bf16 for now)."""
+    """FlashMLA and our kernel on the same FP8 cache (ours reads it dequantized to bf16 here; ``--triton-fp8``
+    times it reading the FP8 rows)."""
     sparse_decode, route = deepseek_kernels.flash_mla()
     if sparse_decode is None:
         return [{"error": route}]
     rows = []
-    heads, dim, window, selected, pool_rows = 64, 512, 128, 512, 1 << 16
     backend = TritonAttention()
     for batch in (1, 16, 128):
         def one() -> dict:
-            comp = _fp8_pool(torch.randn(pool_rows, dim, device=DEVICE).to(torch.bfloat16))
-            swa = _fp8_pool(torch.randn(pool_rows, dim, device=DEVICE).to(torch.bfloat16))
-            q = torch.randn(batch, 1, heads, dim, dtype=torch.bfloat16, device=DEVICE)
-            comp_idx = torch.randint(0, pool_rows, (batch, 1, selected), device=DEVICE, dtype=torch.int32)
-            window_idx = torch.randint(0, pool_rows, (batch, 1, window), device=DEVICE, dtype=torch.int32)
-            sinks, scale = torch.randn(heads, device=DEVICE), dim**-0.5
-            args = (q, comp.flashmla_view(), comp_idx, sinks, scale, swa.flashmla_view(), window_idx)
-            theirs = sparse_decode(*args)
+            swa, comp, q, window_idx, comp_idx, sinks, scale = _fp8_decode_problem(batch)
+            args = (q.unsqueeze(1), comp.flashmla_view(), comp_idx.int().unsqueeze(1), sinks, scale,
+                    swa.flashmla_view(), window_idx.int().unsqueeze(1))
+            theirs = sparse_decode(*args)[:, 0]
             flashmla_us = _graph_us(lambda: sparse_decode(*args))
-            everything = torch.arange(pool_rows, device=DEVICE)
-            sources = [(swa[everything], window_idx[:, 0].long()), (comp[everything], comp_idx[:, 0].long())]
-            ours = backend.sparse_attention(q[:, 0], sources, sinks, scale)
-            ours_us = _graph_us(lambda: backend.sparse_attention(q[:, 0], sources, sinks, scale))
-            diff = (ours.float() - theirs[:, 0].float()).abs().max() / theirs.float().abs().max()
+            everything = torch.arange(FP8_DECODE["pool_rows"], device=DEVICE)
+            sources = [(swa[everything], window_idx), (comp[everything], comp_idx)]
+            ours = backend.sparse_attention(q, sources, sinks, scale)
+            ours_us = _graph_us(lambda: backend.sparse_attention(q, sources, sinks, scale))
+            diff = (ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()
             return {"batch": batch, "flashmla_us": round(flashmla_us, 1), "triton_bf16_us": round(ours_us, 1),
                     "triton_over_flashmla": round(ours_us / flashmla_us, 2), "max_diff_rel": float(diff)}
         rows.append(_attempt(one))
@@ -208,16 +218,11 @@ def triton_fp8_attention() -> list[dict]:
     (``--triton-fp8``): this path has faulted natively in padded decode steps (issue 6), and a fault ends the
     process."""
     rows = []
-    heads, dim, window, selected, pool_rows = 64, 512, 128, 512, 1 << 16
     backend = TritonAttention()
     for batch in (1, 16, 128):
         def one() -> dict:
-            comp = _fp8_pool(torch.randn(pool_rows, dim, device=DEVICE).to(torch.bfloat16))
-            swa = _fp8_pool(torch.randn(pool_rows, dim, device=DEVICE).to(torch.bfloat16))
-            q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=DEVICE)
-            sources = [(swa, torch.randint(0, pool_rows, (batch, window), device=DEVICE)),
-                       (comp, torch.randint(0, pool_rows, (batch, selected), device=DEVICE))]
-            sinks, scale = torch.randn(heads, device=DEVICE), dim**-0.5
+            swa, comp, q, window_idx, comp_idx, sinks, scale = _fp8_decode_problem(batch)
+            sources = [(swa, window_idx), (comp, comp_idx)]
             us = _graph_us(lambda: backend.sparse_attention(q, sources, sinks, scale))
             return {"batch": batch, "triton_fp8_us": round(us, 1)}
         rows.append(_attempt(one))
