@@ -10,6 +10,7 @@ its static inputs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -92,8 +93,8 @@ class StepInputs:
         at a 16-byte boundary): a captured graph's static inputs and their staging copy travel as one copy."""
         spans = [-(-t.nbytes // 16) * 16 for _, _, t in self._tensors()]
         flat = torch.empty(sum(spans), dtype=torch.uint8, device=device, pin_memory=pin_memory)
-        offsets = iter(torch.tensor([0] + spans).cumsum(0).tolist())
-        views = self.map(lambda t: flat[(start := next(offsets)):start + t.nbytes].view(t.dtype).view(t.shape))
+        starts = iter(itertools.accumulate(spans, initial=0))
+        views = self.map(lambda t: flat[(start := next(starts)):start + t.nbytes].view(t.dtype).view(t.shape))
         return flat, views
 
     def copy_(self, source: "StepInputs") -> None:
