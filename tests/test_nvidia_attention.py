@@ -174,18 +174,6 @@ def test_plugin_answers_only_on_cuda():
     assert isinstance(plugin.deepinfer_attention_backend(config=config, device=torch.device("cuda")), TritonAttention)
 
 
-def test_fp8_cache_without_flashmla_needs_eager_steps(monkeypatch):
-    """Triton's attention over FP8 rows faults in padded decode steps on the H200 (issue 6): refused, not risked."""
-    from deepinfer_nvidia import deepseek_kernels
-
-    monkeypatch.setattr(deepseek_kernels, "flash_mla", lambda: (None, "not provisioned"))
-    cuda = torch.device("cuda")
-    with pytest.raises(ValueError, match="enforce_eager=True"):
-        plugin.deepinfer_attention_backend(config=EngineConfig(kv_cache_dtype="fp8"), device=cuda)
-    eager = EngineConfig(kv_cache_dtype="fp8", enforce_eager=True)
-    assert isinstance(plugin.deepinfer_attention_backend(config=eager, device=cuda), TritonAttention)
-
-
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_cuda_graph_replays_on_new_inputs(tokens):
@@ -215,14 +203,17 @@ def test_cuda_graph_replays_on_new_inputs(tokens):
 
 @pytest.mark.parametrize("rows", [1, 37])
 def test_fp8_store_writes_the_reference_bytes(rows):
-    """One Triton program per row writes exactly the bytes ``fp8_kv.store`` does: values, exponents, RoPE, pad."""
+    """One Triton program per row writes exactly the bytes ``fp8_kv.store`` does: values, exponents, RoPE, pad.
+    The slots are a column of a wider tensor, as the model passes them (a token's own row ends its window)."""
     g = torch.Generator().manual_seed(rows)
     scales = torch.exp2(torch.randint(-12, 12, (rows, 1), generator=g).float())
     values = torch.randn(rows, 512, generator=g) * scales
     values[0, :64] = 0  # an all-zero tile takes the 1e-4 floor
     values[0, 64:128] = 448 * 2.0**-3  # amax / 448 exactly a power of two: no rounding up
     values = values.to(torch.bfloat16).to(DEVICE)
-    slots = torch.randperm(130, generator=g)[:rows].to(DEVICE)
+    window = torch.full((rows, 4), -1, dtype=torch.int64)
+    window[:, -1] = torch.randperm(130, generator=g)[:rows]
+    slots = window.to(DEVICE)[:, -1]
 
     def pool():
         return FP8Rows(torch.full(storage_shape(130), 0xA5, dtype=torch.uint8, device=DEVICE))

@@ -20,9 +20,9 @@ NOPE, TILE, WIDTH = tl.constexpr(fp8_kv.D_NOPE), tl.constexpr(fp8_kv.TILE), tl.c
 
 
 @triton.jit
-def _fp8_store_kernel(rows_ptr, stride_rows, slots_ptr, fp8_ptr, bytes_ptr):
+def _fp8_store_kernel(rows_ptr, stride_rows, slots_ptr, stride_slots, fp8_ptr, bytes_ptr):
     i = tl.program_id(0)
-    slot = tl.load(slots_ptr + i).to(tl.int64)
+    slot = tl.load(slots_ptr + i * stride_slots).to(tl.int64)
     base = (slot // PAGE) * PAGE_BYTES
     data = base + (slot % PAGE) * ROW_BYTES
     scales = base + PAGE * ROW_BYTES + (slot % PAGE) * SCALE_BYTES
@@ -54,5 +54,5 @@ def store_rows(pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
         raise ValueError(f"the FP8 KV layout holds {fp8_kv.WIDTH}-wide rows, got {list(rows.shape)}")
     if rows.shape[0]:
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        _fp8_store_kernel[(rows.shape[0],)](rows, rows.stride(0), slots, pool.data.view(torch.float8_e4m3fn),
-                                            pool.data)
+        _fp8_store_kernel[(rows.shape[0],)](rows, rows.stride(0), slots, slots.stride(0),
+                                            pool.data.view(torch.float8_e4m3fn), pool.data)

@@ -40,10 +40,6 @@ def deepinfer_attention_backend(config, device):
 
     sparse_decode, _ = flash_mla()
     fp8 = config.kv_cache_dtype == "fp8"
-    if fp8 and sparse_decode is None and not config.enforce_eager:
-        # refused rather than risked: an illegal memory access poisons the process's CUDA context
-        raise ValueError("kv_cache_dtype='fp8' without FlashMLA needs enforce_eager=True for now: Triton's attention "
-                         "over FP8 rows faults inside padded decode steps on the H200 (open in issue 6)")
     serves = ("FlashMLA serves attention over the FP8 KV cache (64 or 128 heads), Triton the rest"
               if sparse_decode is not None and fp8 else
               "Triton serves attention" + (" (FlashMLA reads only kv_cache_dtype='fp8')" if sparse_decode else ""))
