@@ -61,10 +61,11 @@ class Envs:
         "Entry-point plugins to load: unset loads all, empty loads none, a comma list loads those names.",
     )
     DEEPINFER_ENABLE_MTP_VARLEN: bool = _variable(
-        "bool", False, "Speculative decoding with confidence-scheduled variable-length verification.",
+        "bool", False, "Speculative decoding: each request verifies the draft prefix its confidence and the step's load "
+        "justify (off: every draft, up to the maximum draft length). Needs the features/mtp plugin.",
     )
     DEEPINFER_USE_NEXTN_DECODE: int = _variable(
-        "int", 5, "Maximum draft length for speculative decoding.", minimum=1,
+        "int", 5, "Most draft tokens a step verifies per request, when a drafter plugin serves the model.", minimum=1,
     )
     DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE: str = _variable(
         "choice", "off", "SWA-bounded replay of the decoder layers during prefill.",

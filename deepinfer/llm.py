@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import LLMEngine
 from deepinfer.core.request import Request
+from deepinfer.core.speculation import log_summary
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.plugins.manager import select_optional_backend
 from deepinfer.sampling_params import SamplingParams
@@ -94,6 +95,7 @@ class LLM:
                 bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.1f} toks/s, output: {output_tokens / elapsed:.1f} toks/s")
                 bar.update(completed)
         bar.close()
+        log_summary(self.engine.speculator)
 
     @staticmethod
     def _request_output(group: list[Request]) -> RequestOutput:

@@ -60,6 +60,16 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # Sampling steps that produced tokens, i.e. the length of the longest completion.
     num_generated_tokens: int = 0
+    # speculative decoding, counted as vLLM does: steps that verified drafts, the draft tokens verified, those
+    # accepted, and accepted ones by draft position; mean acceptance length = 1 + accepted / drafts
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def queue_time(self) -> float | None:

@@ -111,8 +111,9 @@ def test_hook_deepinfer_drafter(tiny_v4_checkpoint):
     class DrafterOnly:
         deepinfer_drafter = Offers.deepinfer_drafter
 
-    with registered(DrafterOnly(), "drafts"), pytest.raises(NotImplementedError, match="plugin drafts offers speculative drafts"):
-        LLM(str(tiny_v4_checkpoint), dtype="float32")
+    with registered(DrafterOnly(), "drafts"):
+        llm = LLM(str(tiny_v4_checkpoint), dtype="float32")
+    assert llm.engine.speculator.drafter.name == "test-drafter"  # what it drafts: tests/test_speculative_decoding.py
 
 
 def test_hook_deepinfer_prefill_truncation(tiny_v4_checkpoint):

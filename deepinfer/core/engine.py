@@ -21,6 +21,7 @@ from deepinfer.core.output_processor import OutputProcessor
 from deepinfer.core.request import Request
 from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.scheduler import Scheduler, SchedulerLimits
+from deepinfer.core.speculation import Speculator, accepted_count
 from deepinfer.core.step_metrics import StepClock, StepMetrics
 from deepinfer.core.tokenizer import load_tokenizer
 from deepinfer.logger import init_logger
@@ -29,6 +30,11 @@ from deepinfer.models.registry import model_config
 from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
 
 logger = init_logger(__name__)
+
+
+def _host_lists(sampled) -> dict[str, list | None]:
+    return {name: None if (t := getattr(sampled, name)) is None else t.tolist()
+            for name in type(sampled).__dataclass_fields__}
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -82,7 +88,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
         self.step_metrics = StepMetrics()
         self._clock = StepClock(self.step_metrics, self.device)
-        self.async_scheduling = env.DEEPINFER_ASYNC_SCHEDULING
+        # drafts follow a request's last token, so a step's tokens are verified before the next step is scheduled
+        self.async_scheduling = env.DEEPINFER_ASYNC_SCHEDULING and self.speculator is None
+        if env.DEEPINFER_ASYNC_SCHEDULING and self.speculator is not None:
+            logger.info("asynchronous scheduling is off while speculative decoding is on (each step's drafts need "
+                        "the previous step's tokens)")
         self._inflight: InFlight | None = None
 
     def _refuse_unsupported_features(self) -> None:
@@ -95,12 +105,15 @@ class LLMEngine:
                 f"plugin {truncation[1]} offers prefill truncation, but DeepSeek-V4 has no window-only "
                 "decoder layers to truncate (SWA bounded replay applies to DeepSeek-V4.1)"
             )
-        drafter = select_optional_backend("deepinfer_drafter", config=self.config, model=self.model)
-        if drafter is not None:
-            raise NotImplementedError(
-                f"plugin {drafter[1]} offers speculative drafts, but the engine's verification step "
-                "(features/mtp) is not built yet; uninstall it or exclude it with DEEPINFER_PLUGINS"
-            )
+        self.speculator = None
+        offer = select_optional_backend("deepinfer_drafter", config=self.config, model=self.model)
+        if offer is not None:
+            env = envs.get()
+            self.speculator = Speculator(offer[0], env.DEEPINFER_USE_NEXTN_DECODE, env.DEEPINFER_ENABLE_MTP_VARLEN,
+                                         self.config.max_num_batched_tokens, self.max_model_len)
+            logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,
+                        offer[1], env.DEEPINFER_USE_NEXTN_DECODE,
+                        "confidence-scheduled lengths" if env.DEEPINFER_ENABLE_MTP_VARLEN else "fixed length")
 
     def _build_caches(self) -> None:
         c, mc = self.config, self.model_config
@@ -206,9 +219,12 @@ class LLMEngine:
             streams = self.model(batch, self.cache)
             logits = self.model.compute_logits(streams[batch.logits_rows]) if sampling_requests else None
         clock.lap("forward")
+        if self.speculator is not None:
+            return self._verify(scheduled, sampling_requests, logits)
         launched = None
         if sampling_requests:
-            sampling = build_sampling_batch(sampling_requests, self.model_config.vocab_size, self.device)
+            rows = [(r, 0) for r in sampling_requests]
+            sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
             launched = InFlight.launch(sampling_requests, self.sampler.sample(logits, sampling), started, clock)
             clock.lap("sample")
         if self._inflight is not None:  # the previous step's tokens, while the device runs this one
@@ -217,6 +233,34 @@ class LLMEngine:
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             finished += self._resolve()
+        return finished
+
+    def _verify(self, scheduled, sampling_requests: list[Request], logits) -> list[Request]:
+        """Speculative decoding's step end (``core/speculation.py``): samples every verified row, keeps each
+        request's accepted drafts and the token after them, books them, then drafts for the next step."""
+        finished, computed = [], {}
+        if sampling_requests:
+            rows = self.speculator.rows(sampling_requests)
+            sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
+            sampled = _host_lists(self.sampler.sample(logits, sampling))
+            self._clock.lap("sample")
+            now, first = time.monotonic(), 0
+            for request in sampling_requests:
+                drafted = request.num_drafts
+                accepted = accepted_count(request.draft_token_ids, sampled["token_ids"][first:first + drafted + 1])
+                if drafted:
+                    self.speculator.stats.record(request, drafted, accepted)
+                request.drop_drafts()
+                computed[id(request)] = drafted - accepted  # rejected positions: computed, but not kept
+                if self.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
+                    finished.append(request)
+                first += drafted + 1
+        self.scheduler.step_done([(r, start, n - computed.get(id(r), 0)) for r, start, n in scheduled
+                                  if not r.finished and r not in finished])
+        for request in finished:
+            self.scheduler.finish(request)
+        self._clock.lap("outputs")
+        self.speculator.draft(self.scheduler.running)
         return finished
 
     def _needs_host_tokens(self, scheduled) -> bool:

@@ -169,8 +169,11 @@ class ForwardBatchBuilder:
         positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
         owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
         token_ids = torch.tensor([t for r, start, n in scheduled for t in r.token_ids[start : start + n]])
-        last_rows = torch.cumsum(torch.tensor([n for _, _, n in scheduled]), 0) - 1
-        wants_logits = torch.tensor([start + n == len(r.token_ids) for r, start, n in scheduled])
+        logits_rows, end = [], 0
+        for r, start, n in scheduled:  # a request's last token, and each draft (speculative decoding) to verify
+            end += n
+            if start + n == len(r.token_ids):
+                logits_rows.extend(range(end - 1 - min(r.num_drafts, n - 1), end))
         ends = positions + 1
         # a padded batch has fixed candidate widths and closes a row per token: only unpadded ones need these
         closing = {} if padded else {r: (ends % r == 0).nonzero().flatten() for r in self.ratios}
@@ -179,7 +182,7 @@ class ForwardBatchBuilder:
             token_ids=token_ids,
             positions=positions,
             owner=owner,
-            logits_rows=last_rows[wants_logits],
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
             tables={kind: self._tables(requests, kind) for kind in self.rows_per_block},
             close_tokens=closing,
             extras=self.host_inputs(token_ids, self._history(scheduled)) if self.token_history else {},

@@ -38,19 +38,36 @@ class OutputProcessor:
         for row, (request, position) in enumerate(zip(requests, positions)):
             if request.finished:  # found finished one step earlier, while this step was already running
                 continue
-            token = token_ids[row]
-            request.token_ids[position] = token
-            request.cumulative_logprob += logprobs[row]
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if request.logprobs is not None:
-                request.logprobs.append(self._logprobs(request, token, logprobs[row], top_ids, top_values, row))
-            if self._check_stop(request, token, position + 1):
-                del request.token_ids[position + 1 :]
-                request.metrics.finished_time = now
-                request.metrics.num_generated_tokens = request.num_output_tokens
+            request.token_ids[position] = token_ids[row]
+            if self._record(request, position, logprobs[row], top_ids, top_values, row, now):
                 finished.append(request)
         return finished
+
+    def extend(self, request: Request, rows: list[int], sampled: dict, now: float) -> bool:
+        """Appends the tokens of sampler ``rows`` (verified speculative decoding), stopping where the request
+        does; ``sampled`` holds the sampler's outputs as host lists. Returns whether the request finished."""
+        for row in rows:
+            request.token_ids.append(sampled["token_ids"][row])
+            if self._record(request, len(request.token_ids) - 1, sampled["logprobs"][row], sampled["top_logprob_ids"],
+                            sampled["top_logprobs"], row, now):
+                return True
+        return False
+
+    def _record(self, request: Request, position: int, logprob: float, top_ids, top_values, row: int,
+                now: float) -> bool:
+        """Books the token at ``position`` (logprobs, text, stops); on a stop drops what follows it."""
+        token = request.token_ids[position]
+        request.cumulative_logprob += logprob
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if request.logprobs is not None:
+            request.logprobs.append(self._logprobs(request, token, logprob, top_ids, top_values, row))
+        if not self._check_stop(request, token, position + 1):
+            return False
+        del request.token_ids[position + 1 :]
+        request.metrics.finished_time = now
+        request.metrics.num_generated_tokens = request.num_output_tokens
+        return True
 
     def _logprobs(self, request, token, logprob, top_ids, top_values, row) -> dict[int, Logprob]:
         wanted = request.params.logprobs

@@ -18,7 +18,8 @@ class Status(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """``token_ids`` is prompt + generated tokens; the first ``num_computed`` are in the caches."""
+    """``token_ids`` is prompt + generated tokens, then ``num_drafts`` proposed ones (speculative decoding: the
+    next step verifies them); the first ``num_computed`` are in the caches."""
 
     request_id: str
     sample_index: int
@@ -28,6 +29,7 @@ class Request:
     eos_token_ids: tuple[int, ...]
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_drafts: int = 0
     status: Status = Status.WAITING
     tables: dict[str, list[int]] = field(default_factory=dict)
     block_hashes: list[bytes] = field(default_factory=list)
@@ -48,11 +50,26 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        return self.token_ids[len(self.prompt_token_ids) : len(self.token_ids) - self.num_drafts]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_drafts - len(self.prompt_token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts :]
+
+    def set_drafts(self, token_ids: list[int]) -> None:
+        self.drop_drafts()
+        self.token_ids += token_ids
+        self.num_drafts = len(token_ids)
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Forget all but the first ``keep`` drafts (verified, rejected, or no longer fitting the step)."""
+        if self.num_drafts > keep:
+            del self.token_ids[len(self.token_ids) - self.num_drafts + keep :]
+            self.num_drafts = keep
 
     @property
     def num_pending(self) -> int:

@@ -18,21 +18,25 @@ def _sample_seed(request: Request) -> int:
     return -1 if seed is None else (seed + request.sample_index * GOLDEN) % 2**63
 
 
-def _blocked(request: Request) -> list[int]:
+def _blocked(request: Request, output_index: int) -> list[int]:
     params = request.params
-    if request.num_output_tokens >= params.min_tokens:
+    if output_index >= params.min_tokens:
         return []
     stops = list(params.stop_token_ids or ())
     return stops if params.ignore_eos else stops + list(request.eos_token_ids)
 
 
-def build_sampling_batch(requests: list[Request], vocab_size: int, device) -> SamplingBatch:
+def build_sampling_batch(rows: list[tuple[Request, int]], vocab_size: int, device) -> SamplingBatch:
+    """One row per (request, j): the token after the request's output plus its first ``j`` drafts (``j`` = 0
+    without speculative decoding), sampled as that output position is: its noise, penalties and blocking."""
+    requests = [r for r, _ in rows]
     params = [r.params for r in requests]
+    index = [r.num_output_tokens + j for r, j in rows]  # the output position each row samples
     # two host-to-device copies per step (one per dtype) rather than one per parameter, neither waiting for the
     # device: with asynchronous scheduling it is still running the previous step
     floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
                             p.repetition_penalty] for p in params], dtype=torch.float32).T.contiguous()
-    ints = torch.tensor([[max(p.top_k, 0), _sample_seed(r), r.num_output_tokens] for p, r in zip(params, requests)],
+    ints = torch.tensor([[max(p.top_k, 0), _sample_seed(r), i] for p, r, i in zip(params, requests, index)],
                         dtype=torch.int64).T.contiguous()
     floats, ints = to_device(floats, device), to_device(ints, device)
     asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -48,8 +52,8 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device) -> Sa
         seeds=ints[1],
         positions=ints[2],
         prompt_token_ids=[r.prompt_token_ids for r in requests] if penalised else [],
-        output_token_ids=[r.output_token_ids for r in requests] if penalised else [],
-        blocked_token_ids=[_blocked(r) for r in requests],
+        output_token_ids=[r.output_token_ids + r.draft_token_ids[:j] for r, j in rows] if penalised else [],
+        blocked_token_ids=[_blocked(r, i) for r, i in zip(requests, index)],
         num_logprobs=max((vocab_size if n == -1 else n for n in asked), default=0),
         all_greedy=all(p.temperature == 0 for p in params),
         any_penalties=penalised,

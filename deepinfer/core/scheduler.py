@@ -50,6 +50,8 @@ class Scheduler:
             if self._generated_all(request):
                 index += 1
                 continue
+            if request.num_pending > budget and request.num_drafts:  # verify fewer drafts rather than none
+                request.drop_drafts(keep=max(0, budget - (request.num_pending - request.num_drafts)))
             count = min(request.num_pending, budget)
             end = request.num_computed + count
             while not self.blocks.can_allocate(request.tables, request.num_computed, end):
@@ -99,6 +101,7 @@ class Scheduler:
         request.metrics.num_cached_tokens = request.num_computed
 
     def _preempt(self, request: Request) -> None:
+        request.drop_drafts()  # drafted for the step it will not take
         self.blocks.free(request.tables)
         request.num_computed = 0
         request.status = Status.WAITING

@@ -209,11 +209,23 @@ class Sampler(Protocol):
         """Apply penalties, temperature, top-k/top-p/min-p, then draw one token per row."""
 
 
+@dataclass(slots=True)
+class Draft:
+    """Tokens proposed to follow a request's last token, and optionally, per position, the drafter's estimate of
+    the probability that the target accepts that token given it accepted the ones before (DSpark's confidence
+    head); the engine's confidence scheduling verifies the prefix whose survival (their running product) pays."""
+
+    token_ids: list[int]
+    confidence: list[float] | None = None
+
+
 class Drafter(Protocol):
     name: str
 
-    def propose(self, model_outputs, requests) -> list[list[int]]:
-        """Draft tokens for each running request after a target-model step."""
+    def propose(self, requests: list) -> list[Draft]:
+        """One ``Draft`` per request (``core.request.Request``: its ``token_ids`` end with the token the drafts
+        follow; none is pending a value). Called after each step for the requests that decode next; an empty
+        draft means no speculation for that request this step. Longer drafts than the engine verifies are cut."""
 
 
 class PrefillTruncation(Protocol):

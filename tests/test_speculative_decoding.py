@@ -1,0 +1,273 @@
+"""Speculative decoding in the engine (``core/speculation.py``): drafts from a ``deepinfer_drafter`` plugin are
+verified by the next step and rolled back where rejected; outputs must be exactly those of decoding without drafts.
+
+The drafters here know the reference continuation (from a run without drafts), so a test decides what is right
+and where a draft goes wrong: every position of a draft is forced wrong in turn, which exercises the rollback of
+every cache kind (window rows, compressed entries, compressor state, indexer keys) at every offset.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from deepinfer import LLM, SamplingParams, envs
+from deepinfer.core import speculation
+from deepinfer.plugins.hookspecs import hookimpl
+from deepinfer.plugins.interfaces import Draft
+from deepinfer.plugins.manager import registered
+
+PROMPTS = ["import os", "def f(x):", "class A:\n    pass\n" * 3]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seq_seed=7,
+                        repetition_penalty=1.3, presence_penalty=1.5, min_tokens=10)
+
+
+class OracleDrafter:
+    """Proposes the reference continuation, wrong at draft position ``wrong_at`` (None: always right); requests
+    whose prompt is in ``skip`` get no draft; ``confidence`` is handed out with every draft."""
+
+    name = "oracle"
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], wrong_at=None, skip=(), confidence=None,
+                 length=5):
+        self.reference, self.wrong_at, self.skip = reference, wrong_at, set(skip)
+        self.confidence, self.length = confidence, length
+        self.batches: list[list[int]] = []  # the requests asked for, per step
+
+    def propose(self, requests):
+        drafts = []
+        self.batches.append([len(r.token_ids) for r in requests])
+        for r in requests:
+            prompt = tuple(r.prompt_token_ids)
+            if prompt in self.skip:
+                drafts.append(Draft([]))
+                continue
+            done = r.num_output_tokens
+            tokens = list(self.reference[prompt][done : done + self.length])
+            if self.wrong_at is not None and self.wrong_at < len(tokens):
+                tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % 64
+            drafts.append(Draft(tokens, None if self.confidence is None else list(self.confidence(r))))
+        return drafts
+
+
+class DrafterPlugin:
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    @hookimpl
+    def deepinfer_drafter(self, config, model):
+        return self.drafter
+
+
+def _run(checkpoint, prompts, params, drafter=None, plugin="oracle-drafts", **engine_args):
+    engine_args.setdefault("dtype", "float32")
+    if drafter is None:
+        llm = LLM(str(checkpoint), **engine_args)
+        return llm.generate(prompts, params, use_tqdm=False), llm
+    with registered(DrafterPlugin(drafter), plugin):
+        llm = LLM(str(checkpoint), **engine_args)
+        return llm.generate(prompts, params, use_tqdm=False), llm
+
+
+def _reference(outputs) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outputs}
+
+
+def _assert_same(outputs, expected, logprob_tolerance=1e-4):
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in expected]
+    for ours, theirs in zip(outputs, expected):
+        if theirs.outputs[0].logprobs is None:
+            continue
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=logprob_tolerance) for t in a)
+
+
+@pytest.fixture(scope="module")
+def greedy_v4(tiny_v4_checkpoint):
+    return _run(tiny_v4_checkpoint, PROMPTS, GREEDY)[0]
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 1, 2, 3, 4])
+def test_greedy_output_is_unchanged_whichever_draft_position_is_wrong(tiny_v4_checkpoint, greedy_v4, wrong_at):
+    drafter = OracleDrafter(_reference(greedy_v4), wrong_at=wrong_at)
+    outputs, llm = _run(tiny_v4_checkpoint, PROMPTS, GREEDY, drafter)
+    _assert_same(outputs, greedy_v4)
+    stats = llm.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts
+    per_position = stats.accepted_per_position
+    if wrong_at is None:  # every draft accepted: each step emits its drafts plus one
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert sum(o.metrics.num_drafts for o in outputs) == stats.num_drafts
+        assert all(o.metrics.mean_acceptance_length > 3 for o in outputs)
+    else:
+        assert all(count == 0 for count in per_position[wrong_at:])
+        assert all(count > 0 for count in per_position[:wrong_at])
+    if wrong_at is None:  # one prefill step and 15 decode steps without drafts
+        assert llm.engine.step_metrics.steps <= 6
+
+
+def test_v41_with_engram_is_unchanged_by_drafts():
+    """Engram hashes the tokens before each position: inside a verified draft those are drafts."""
+    prompts = ["def fibonacci(n):", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected, _ = _run("deepinfer-tiny-v4.1", prompts, params)
+    for wrong_at in (None, 2):
+        outputs, llm = _run("deepinfer-tiny-v4.1", prompts, params, OracleDrafter(_reference(expected), wrong_at))
+        _assert_same(outputs, expected)
+        assert llm.engine.speculator.stats.num_drafts > 0
+
+
+def test_seeded_sampling_is_identical_with_drafts(tiny_v4_checkpoint):
+    """Verification samples each row with the noise, penalties and min_tokens blocking of the output position it
+    stands for, so seq_seed output does not change, right drafts or wrong."""
+    expected, _ = _run(tiny_v4_checkpoint, PROMPTS, SEEDED)
+    for wrong_at in (None, 1):
+        outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, SEEDED, OracleDrafter(_reference(expected), wrong_at))
+        _assert_same(outputs, expected)
+
+
+def test_min_tokens_blocks_a_stop_token_up_to_the_right_draft(tiny_v4_checkpoint, greedy_v4):
+    """Inside one verification step the rows cross ``min_tokens``: the stop token the model first picks at output
+    position 4, 5 or 6 must be blocked for the rows before ``min_tokens`` = 4 and allowed from there on."""
+    greedy = greedy_v4[0].outputs[0].token_ids
+    first = next(k for k in (4, 5, 6) if greedy[k] not in greedy[:k])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[greedy[first]], min_tokens=4)
+    expected, _ = _run(tiny_v4_checkpoint, PROMPTS[:1], params)
+    assert expected[0].outputs[0].token_ids == greedy[: first + 1] and expected[0].outputs[0].finish_reason == "stop"
+    outputs, _ = _run(tiny_v4_checkpoint, PROMPTS[:1], params, OracleDrafter(_reference(greedy_v4)))
+    _assert_same(outputs, expected)
+
+
+def test_chunked_prefill_preemption_and_prefix_caching_with_drafts(tiny_v4_checkpoint):
+    """A 12-token step budget cuts drafts and chunks prompts, a small cache preempts requests that hold drafts, and
+    the prefix cache sees blocks written during verification; a request without drafts decodes among them."""
+    engine_args = dict(max_num_batched_tokens=12, num_cache_tokens=128, block_size=16, enable_prefix_caching=True)
+    prompts = PROMPTS + ["x = [", "# compute the sum of squares of a list of numbers\n" * 3, PROMPTS[0]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected, _ = _run(tiny_v4_checkpoint, prompts, params, **engine_args)
+    drafter = OracleDrafter(_reference(expected), wrong_at=3, skip=[tuple(expected[1].prompt_token_ids)])
+    outputs, llm = _run(tiny_v4_checkpoint, prompts, params, drafter, **engine_args)
+    _assert_same(outputs, expected)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert outputs[1].metrics.num_drafts == 0 and outputs[0].metrics.num_drafts > 0
+
+
+@pytest.mark.parametrize("asynchronous", ["1", "0"])
+def test_drafts_verify_before_the_next_step_whatever_the_overlap_setting(tiny_v4_checkpoint, greedy_v4, monkeypatch,
+                                                                         asynchronous):
+    """Issue 7's overlap cannot schedule a step before the previous one's tokens are known when drafts follow
+    them: with a drafter the engine resolves each step first, and says so; outputs are the same either way."""
+    monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", asynchronous)
+    envs.reload()
+    outputs, llm = _run(tiny_v4_checkpoint, PROMPTS, GREEDY, OracleDrafter(_reference(greedy_v4), wrong_at=1))
+    _assert_same(outputs, greedy_v4)
+    assert not llm.engine.async_scheduling and llm.engine._inflight is None
+
+
+def test_drafts_never_run_past_max_tokens_or_max_model_len(tiny_v4_checkpoint, greedy_v4):
+    drafter = OracleDrafter(_reference(greedy_v4), length=50)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, params, drafter)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [7] * 3
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    short, _ = _run(tiny_v4_checkpoint, PROMPTS[:1], GREEDY, drafter, max_model_len=9)
+    assert len(short[0].prompt_token_ids) + len(short[0].outputs[0].token_ids) == 9
+
+
+def test_confidence_scheduling_verifies_a_different_length_per_request(tiny_v4_checkpoint, greedy_v4, monkeypatch):
+    """DEEPINFER_ENABLE_MTP_VARLEN=1: each request verifies the draft prefix whose survival clears the step's
+    floor; here one prompt's drafter is sure of every token and another's of none past the first."""
+    sure, unsure = (tuple(o.prompt_token_ids) for o in greedy_v4[:2])
+
+    def confidence(request):
+        return [0.99] * 5 if tuple(request.prompt_token_ids) == sure else [0.9, 0.05, 0.9, 0.9, 0.9]
+
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    envs.reload()
+    drafter = OracleDrafter(_reference(greedy_v4), confidence=confidence)
+    outputs, llm = _run(tiny_v4_checkpoint, PROMPTS[:2], GREEDY, drafter, plugin="mtp")  # the switch's plugin
+    _assert_same(outputs, greedy_v4[:2])
+    by_prompt = {tuple(o.prompt_token_ids): o.metrics for o in outputs}
+    assert by_prompt[unsure].num_draft_tokens == by_prompt[unsure].num_drafts  # one token each time
+    assert by_prompt[sure].num_draft_tokens > 3 * by_prompt[sure].num_drafts
+
+
+def test_verified_length_and_survival_floor():
+    draft = Draft([1, 2, 3, 4], confidence=[0.9, 0.5, 0.5, 0.9])
+    assert speculation.verified_length(draft, 4, None) == 4
+    assert speculation.verified_length(draft, 2, None) == 2
+    assert speculation.verified_length(draft, 4, 0.4) == 2  # survival 0.9, 0.45, 0.225
+    assert speculation.verified_length(draft, 4, 0.95) == 0
+    assert speculation.verified_length(Draft([1, 2]), 4, 0.5) == 2  # no confidence: all
+    floors = [speculation.survival_floor(n, 5, 8192) for n in (1, 64, 1024, 4096)]
+    assert floors == sorted(floors) and floors[0] == speculation.MIN_SURVIVAL and floors[-1] == speculation.MAX_SURVIVAL
+
+
+def test_accepted_count():
+    assert speculation.accepted_count([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert speculation.accepted_count([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert speculation.accepted_count([], [4]) == 0
+
+
+def test_a_drafter_answering_for_the_wrong_requests_is_an_error(tiny_v4_checkpoint):
+    class Short:
+        name = "short"
+
+        def propose(self, requests):
+            return []
+
+    with pytest.raises(RuntimeError, match="drafter short returned 0 drafts for 1 requests"):
+        _run(tiny_v4_checkpoint, PROMPTS[:1], GREEDY, Short())
+
+
+def test_metrics_are_logged(tiny_v4_checkpoint, greedy_v4, caplog):
+    _run(tiny_v4_checkpoint, PROMPTS, GREEDY, OracleDrafter(_reference(greedy_v4), wrong_at=2))
+    assert "speculative decoding: drafter oracle (plugin oracle-drafts), up to 5 drafts per step" in caplog.text
+    assert "acceptance rate by position [1.000, 1.000, 0.000" in caplog.text
+
+
+def test_unseeded_sampling_keeps_its_distribution(tiny_v4_checkpoint):
+    """Without a seed, the tokens after a verified draft must still follow the model's distribution: the second
+    and third tokens of many samples, with drafts that are right about half the time, against samples without
+    drafts (a chi-square two-sample test over the most frequent tokens; p > 0.001 fails one run in a thousand)."""
+    params = SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True, n=400)
+    plain, _ = _run(tiny_v4_checkpoint, ["import os"], params, seed=1)
+    common = Counter(tuple(c.token_ids[:2]) for c in plain[0].outputs).most_common(1)[0][0]
+    reference = {tuple(plain[0].prompt_token_ids): list(common) + [0]}
+    drafted, llm = _run(tiny_v4_checkpoint, ["import os"], params, OracleDrafter(reference), seed=2)
+    assert 0 < llm.engine.speculator.stats.num_accepted_tokens < llm.engine.speculator.stats.num_draft_tokens
+    for position in (1, 2):
+        a = Counter(c.token_ids[position] for c in plain[0].outputs)
+        b = Counter(c.token_ids[position] for c in drafted[0].outputs)
+        bins = [t for t, _ in (a + b).most_common(8)]
+        table = [[a[t] for t in bins] + [400 - sum(a[t] for t in bins)],
+                 [b[t] for t in bins] + [400 - sum(b[t] for t in bins)]]
+        assert _chi_square_p(table) > 1e-3, (position, table)
+
+
+def _chi_square_p(table: list[list[int]]) -> float:
+    """p-value of Pearson's chi-square test of homogeneity for a 2 x k table (columns with no counts dropped)."""
+    columns = [c for c in zip(*table) if sum(c) > 0]
+    total = sum(map(sum, columns))
+    rows = [sum(c[i] for c in columns) for i in range(2)]
+    statistic = sum((c[i] - rows[i] * sum(c) / total) ** 2 / (rows[i] * sum(c) / total) for c in columns for i in range(2))
+    dof = len(columns) - 1
+    return _chi2_survival(statistic, dof)
+
+
+def _chi2_survival(x: float, k: int) -> float:
+    """P(X > x) for chi-square with k degrees of freedom (the regularized upper incomplete gamma, by series)."""
+    a, z = k / 2, x / 2
+    term = total = 1 / a
+    n = 1
+    while term > 1e-15 * total:
+        term *= z / (a + n)
+        total += term
+        n += 1
+    lower = math.exp(-z + a * math.log(z) - math.lgamma(a)) * total if z > 0 else 0.0
+    return max(0.0, 1 - lower)
