@@ -204,12 +204,13 @@ def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
+    from deepinfer.core.model_source import resolve_model_dir
     from deepinfer.models.registry import model_config
 
     results = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
                    + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
-        **args.run(args, model_config(args.model).vocab_size),
+        **args.run(args, model_config(resolve_model_dir(args.model)).vocab_size),
     }
     text = json.dumps(results, indent=2)
     print(text)

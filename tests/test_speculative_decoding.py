@@ -37,7 +37,7 @@ class OracleDrafter:
         self.confidence, self.length = confidence, length
         self.batches: list[list[int]] = []  # the requests asked for, per step
 
-    def propose(self, requests):
+    def propose(self, requests, computed):
         drafts = []
         self.batches.append([len(r.token_ids) for r in requests])
         for r in requests:
@@ -218,7 +218,7 @@ def test_a_drafter_answering_for_the_wrong_requests_is_an_error(tiny_v4_checkpoi
     class Short:
         name = "short"
 
-        def propose(self, requests):
+        def propose(self, requests, computed):
             return []
 
     with pytest.raises(RuntimeError, match="drafter short returned 0 drafts for 1 requests"):

@@ -27,6 +27,7 @@ from deepinfer.core.tokenizer import load_tokenizer
 from deepinfer.logger import init_logger
 from deepinfer.models.loader import load_model
 from deepinfer.models.registry import model_config
+from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
 
 logger = init_logger(__name__)
@@ -111,6 +112,7 @@ class LLMEngine:
             env = envs.get()
             self.speculator = Speculator(offer[0], env.DEEPINFER_USE_NEXTN_DECODE, env.DEEPINFER_ENABLE_MTP_VARLEN,
                                          self.config.max_num_batched_tokens, self.max_model_len)
+            self.graph_blockers.append("speculative decoding (its steps verify several tokens per request)")
             logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,
                         offer[1], env.DEEPINFER_USE_NEXTN_DECODE,
                         "confidence-scheduled lengths" if env.DEEPINFER_ENABLE_MTP_VARLEN else "fixed length")
@@ -255,12 +257,16 @@ class LLMEngine:
                 if self.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
                     finished.append(request)
                 first += drafted + 1
-        self.scheduler.step_done([(r, start, n - computed.get(id(r), 0)) for r, start, n in scheduled
-                                  if not r.finished and r not in finished])
+        kept, row = [], 0
+        for request, start, n in scheduled:
+            if not request.finished and request not in finished:
+                kept.append(ComputedRows(request, row, start, n - computed.get(id(request), 0)))
+            row += n
+        self.scheduler.step_done([(k.request, k.position, k.count) for k in kept])
         for request in finished:
             self.scheduler.finish(request)
         self._clock.lap("outputs")
-        self.speculator.draft(self.scheduler.running)
+        self.speculator.draft(self.scheduler.running, kept)
         return finished
 
     def _needs_host_tokens(self, scheduled) -> bool:

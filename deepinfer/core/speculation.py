@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.core.request import Request
 from deepinfer.logger import init_logger
-from deepinfer.plugins.interfaces import Draft, Drafter
+from deepinfer.plugins.interfaces import ComputedRows, Draft, Drafter
 
 logger = init_logger(__name__)
 
@@ -103,11 +103,11 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
 
-    def draft(self, running: list[Request]) -> None:
+    def draft(self, running: list[Request], computed: list[ComputedRows]) -> None:
         decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0]
         if not decoding:
             return
-        drafts = self.drafter.propose(decoding)
+        drafts = self.drafter.propose(decoding, computed)
         if len(drafts) != len(decoding):
             raise RuntimeError(f"drafter {self.drafter.name} returned {len(drafts)} drafts for {len(decoding)} requests")
         floor = (survival_floor(len(decoding), self.max_drafts, self.max_num_batched_tokens)

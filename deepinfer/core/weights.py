@@ -86,7 +86,6 @@ class LoadPlan:
     copied: list[StoredTensor]  # copied into the model's tensors (read in file order)
     dequantized: set[str]  # checkpoint names of weights/scales dequantized when read
     mapped: list[StoredTensor]  # returned as views of the file
-    kept: list[StoredTensor]  # returned as stored
     canonical: Callable[[str], str | None]
 
 
@@ -99,7 +98,6 @@ def plan_load(
     quantizable: set[str] = frozenset(),
     block: tuple[int, int] = (128, 128),
     memory_mapped: Callable[[str], bool] | None = None,
-    keep: Callable[[str], bool] | None = None,
 ) -> LoadPlan:
     """Check the checkpoint against ``expected`` (canonical name -> float shape and dtype) from its headers.
 
@@ -111,12 +109,9 @@ def plan_load(
     index = CheckpointIndex.from_dir(model_dir)
     problems = _Problems()
     parts: dict[str, list[_Part]] = {}  # canonical (stacked) name -> its parts
-    mapped, kept, skipped = [], [], 0
+    mapped, skipped = [], 0
     headers = index.headers()
     for stored in headers.values():
-        if keep is not None and keep(stored.name):
-            kept.append(stored)
-            continue
         if memory_mapped is not None and memory_mapped(stored.name):
             _check_exact(stored, expected, problems)
             mapped.append(stored)
@@ -149,7 +144,7 @@ def plan_load(
     problems.missing += [n for n in expected if n not in layout and n not in problems.seen and n not in mapped_names]
     problems.raise_if_any(model_dir)
     copied = list({p.stored.name: p.stored for ps in parts.values() for p in ps}.values())
-    return LoadPlan(index, headers, layout, copied, dequantized, mapped, kept, canonical)
+    return LoadPlan(index, headers, layout, copied, dequantized, mapped, canonical)
 
 
 def _check_exact(stored: StoredTensor, expected: dict[str, TensorSpec], problems: _Problems) -> None:
@@ -252,21 +247,17 @@ def stream_into(plan: LoadPlan, targets: dict[str, torch.Tensor], device: torch.
                 progress: bool = True) -> dict[str, torch.Tensor]:
     """Copy every planned tensor into ``targets`` (allocated per ``plan.layout``), one tensor at a time.
 
-    Returns the memory-mapped and kept tensors by checkpoint name (kept ones moved to ``device``).
+    Returns the memory-mapped tensors by checkpoint name.
     """
     extras = {t.name: mapped_tensor(plan.index.directory / t.file, t.name) for t in plan.mapped}
-    kept = {t.name for t in plan.kept}
-    reads = plan.copied + plan.kept
+    reads = plan.copied
     bar = tqdm(total=sum(t.nbytes for t in reads), unit="B", unit_scale=True, desc="Loading weights",
                disable=not progress)
     halves: dict[str, torch.Tensor] = {}  # the first-read half of a weight that is dequantized when read
     done = 0
     with bar:
         for stored, tensor in plan.index.read(reads):
-            if stored.name in kept:
-                extras[stored.name] = tensor.to(device)
-            else:
-                _place(plan, stored.name, tensor, targets, halves)
+            _place(plan, stored.name, tensor, targets, halves)
             done += 1
             bar.update(stored.nbytes)
             bar.set_postfix_str(f"{done}/{len(reads)} tensors", refresh=False)

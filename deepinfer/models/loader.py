@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,8 +40,28 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
         fill_dummy({**tensors, **extras}, seed, model_config.n_routed_experts)
     else:
         plan = plan_load(model_dir, expected, canonical=checkpoint_naming(model_config), quantizable=quantizable,
-                         block=block, memory_mapped=model.memory_mapped, keep=model.kept_as_loaded)
+                         block=block, memory_mapped=model.memory_mapped)
         tensors = materialize(model, plan.layout, model.checkpoint_name, device, linear, block[1])
         extras = stream_into(plan, tensors, device)
     model.attach(extras)
+    model.backends = Backends(attention, moe, linear, mhc)  # what a drafter plugin builds its stages with
     return model.to(device)  # the buffers the model computes itself (RoPE, hashing tables)
+
+
+@dataclass(slots=True)
+class Backends:
+    attention: AttentionBackend
+    moe: MoEBackend
+    linear: LinearBackend
+    mhc: MHCBackend
+
+
+def load_part(module: nn.Module, model_config, model_dir: Path, checkpoint_name, canonical, linear: LinearBackend,
+              device: torch.device, quantization: str = "auto") -> None:
+    """Fills ``module`` (built on ``meta``) from the checkpoint tensors ``canonical`` maps onto its names (the
+    others are skipped), as ``load_model`` does (``quantization`` likewise): e.g. a draft model's stages."""
+    expected = {checkpoint_name(k): (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
+    quantizable = quantizable_weights(module, checkpoint_name) if quantization == "auto" else set()
+    block = model_config.weight_block_size
+    plan = plan_load(model_dir, expected, canonical=canonical, quantizable=quantizable, block=block)
+    stream_into(plan, materialize(module, plan.layout, checkpoint_name, device, linear, block[1]), device)

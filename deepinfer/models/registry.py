@@ -41,6 +41,6 @@ def model_class(config) -> type:
 
 def checkpoint_naming(config):
     """Maps checkpoint names onto the model's: V4 ships in three namings, V4.1 in DeepSeek's own only."""
-    if isinstance(config, DeepseekV41ModelConfig):
-        return lambda name: name.removeprefix("model.")
+    if isinstance(config, DeepseekV41ModelConfig):  # the DSpark stages (mtp.*) are the drafter's to load
+        return lambda name: None if name.startswith(("mtp.", "model.mtp.")) else name.removeprefix("model.")
     return canonical_name

@@ -219,13 +219,26 @@ class Draft:
     confidence: list[float] | None = None
 
 
+@dataclass(slots=True)
+class ComputedRows:
+    """A request's rows of the last forward pass whose results it keeps: ``count`` tokens from ``position``,
+    starting at ``row`` of the step's token order (where the model's per-token outputs hold them). Rows computed
+    for rejected drafts are left out."""
+
+    request: object
+    row: int
+    position: int
+    count: int
+
+
 class Drafter(Protocol):
     name: str
 
-    def propose(self, requests: list) -> list[Draft]:
+    def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
         """One ``Draft`` per request (``core.request.Request``: its ``token_ids`` end with the token the drafts
-        follow; none is pending a value). Called after each step for the requests that decode next; an empty
-        draft means no speculation for that request this step. Longer drafts than the engine verifies are cut."""
+        follow; none is pending a value). Called after each step, with what that step computed, for the requests
+        that decode next; an empty draft means no speculation for that request this step. Longer drafts than the
+        engine verifies are cut."""
 
 
 class PrefillTruncation(Protocol):

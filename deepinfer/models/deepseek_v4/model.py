@@ -79,10 +79,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     def memory_mapped(name: str) -> bool:
         return False
 
-    @staticmethod
-    def kept_as_loaded(name: str) -> bool:
-        return False
-
     def attach(self, extras: dict[str, torch.Tensor]) -> None:
         """Tensors the loader hands over outside the model's parameters; V4 has none."""
         if extras:

@@ -13,7 +13,7 @@ Checkpoint layout (the released Hugging Face repository; these names are used as
   ``ffn.experts.E.w{1,2,3}.{weight,scale}`` MXFP4 (int8, two e2m1 per byte, e8m0 scale per 32 inputs)
 * Engram layers: ``layers.N.engram.embed.{weight,scale}`` (FP8 rows, e8m0 per 32 channels),
   ``engram.wkv.{weight,scale}`` FP8, ``engram.{q_weight,k_weight}`` [hc_mult, hidden]
-* ``mtp.{0,1,2}.*``: the DSpark draft stages (kept as loaded for speculative decoding)
+* ``mtp.{0,1,2}.*``: the DSpark draft stages (not read here: ``dspark.py``, loaded by the features/mtp drafter)
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ _HC_NAMES = re.compile(r"(hc_attn|hc_ffn)\.(fn|base|scale)$")
 _ENGRAM_TABLE = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)$")
 
 
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) is not None
+
+
 class Block(nn.Module):
     def __init__(self, config: DeepseekV41ModelConfig, layer_id: int, rotary: ComplexRotary,
                  attention: AttentionBackend, moe: MoEBackend, mhc: MHCBackend):
@@ -57,10 +61,12 @@ class Block(nn.Module):
         self.engram = Engram(c, layer_id) if layer_id in c.engram_layer_ids else None
         self.mhc = mhc
 
-    def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection):
+    def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection, features: list | None = None):
         if self.engram is not None:
             i = self.engram.index
             streams = self.engram(streams, batch.extras["engram_values"][:, i], batch.extras["engram_exponents"][:, i])
+        if features is not None:  # what a DSpark draft reads from this layer: its input, streams averaged
+            features.append(streams.mean(dim=1))
         attn_pre, post, comb = self.hc_attn(streams)
         norm = self.attn_norm
         out = self.attn(self.mhc.collapse(streams, pre, norm.weight, norm.eps), batch, phases, caches, selection)
@@ -87,15 +93,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        cast_floating(self, dtype, lambda name: name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) is not None)
+        cast_floating(self, dtype, keeps_fp32)
         if c.engram_layer_ids:
             if tokenizer is None:
                 raise ValueError("DeepSeek-V4.1's Engram layers hash normalised token ids and need the tokenizer")
             self.ngram_hasher = NgramHasher(c, tokenizer)
         else:
             self.ngram_hasher = None
-        # DSpark draft stages as loaded (mtp.*); the speculative-decoding plugin builds on them
-        self.draft_tensors: dict[str, torch.Tensor] = {}
+        # layers whose input a drafter reads (``features`` holds the last forward's, [T, layers * hidden])
+        self.feature_layers: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None
         self.requires_grad_(False)
 
     # -- weights ------------------------------------------------------------------------------
@@ -116,22 +123,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Engram tables are read in place from the checkpoint files."""
         return _ENGRAM_TABLE.match(name) is not None
 
-    @staticmethod
-    def kept_as_loaded(name: str) -> bool:
-        return name.startswith("mtp.")
-
     def attach(self, extras: dict[str, torch.Tensor]) -> None:
-        """Engram tables (memory-mapped, read row by row on the host) and the DSpark draft tensors as loaded."""
+        """The Engram tables, memory-mapped and read row by row on the host."""
         for layer in self.layers:
             if layer.engram is not None:
                 i = self.config.engram_layer_ids[layer.engram.index]
                 layer.engram.table = extras[f"layers.{i}.engram.embed.weight"]
                 layer.engram.table_scale = extras[f"layers.{i}.engram.embed.scale"]
-        self.draft_tensors = {name: t for name, t in extras.items() if self.kept_as_loaded(name)}
-        stages = {int(name.split(".")[1]) for name in self.draft_tensors}
-        if stages and stages != set(range(self.config.num_nextn_predict_layers)):
-            raise ValueError(f"checkpoint has DSpark stages mtp.{sorted(stages)} but num_nextn_predict_layers is "
-                             f"{self.config.num_nextn_predict_layers}")
 
     # -- caches -------------------------------------------------------------------------------
     def compressed_ratios(self) -> dict[int, int]:
@@ -181,8 +179,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
             meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         selection = Selection()
-        for layer in self.layers:
-            streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection)
+        features = []
+        for i, layer in enumerate(self.layers):
+            wanted = features if i in self.feature_layers else None
+            streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, wanted)
+        self.features = torch.cat(features, dim=-1) if features else None
         return self.mhc.collapse(streams, pre)
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

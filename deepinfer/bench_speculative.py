@@ -1,0 +1,94 @@
+"""``deepinfer bench speculative``: decode speed with and without speculative decoding, and what was accepted.
+
+Text prompts (drafts are only worth measuring on text a model can predict; random ids would accept nothing):
+the built-in Python snippets, or one prompt per line of ``--prompts-file``, cycled to ``--batch-size``. Each
+batch size runs twice on the same prompts, greedy: ``DEEPINFER_ENABLE_MTP_VARLEN=0`` (no drafter) then ``=1``
+(the installed drafter, e.g. features/mtp's DSpark), after a warm-up of each. Reports decode tokens/s of both,
+the speed-up, vLLM's acceptance counters, and whether the two runs generated the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from deepinfer.bench import _add_common, _release, _synchronize
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():",
+    'class Stack:\n    """A last-in, first-out container."""\n\n    def __init__(self):',
+    "for i in range(10):\n    if i % 2 == 0:",
+    "def read_lines(path):\n    with open(path) as f:",
+    '"""Return the',
+    "try:\n    import json\nexcept ImportError:",
+    "def __repr__(self):\n        return",
+]
+
+
+def _run(args, batch: int, prompts: list[str], speculative: bool) -> dict:
+    from deepinfer import LLM, SamplingParams, envs
+
+    os.environ["DEEPINFER_ENABLE_MTP_VARLEN"] = "1" if speculative else "0"
+    envs.reload()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch, 1),
+              quantization=args.quantization, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype)
+    if speculative and llm.engine.speculator is None:
+        raise SystemExit("no drafter serves this model with DEEPINFER_ENABLE_MTP_VARLEN=1 (is features/mtp installed?)")
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    stats = llm.engine.speculator.stats if speculative else None
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) if stats else None
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    _synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    _synchronize()
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _synchronize()
+    elapsed = time.perf_counter() - start
+    result = {"decode_tokens_per_second": batch * (args.output_len - 1) / max(elapsed - prefill, 1e-9),
+              "token_ids": [o.outputs[0].token_ids for o in outputs]}
+    if stats is not None:
+        drafts, draft_tokens, accepted = (now - then for now, then in zip(
+            (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
+        per_request = [o.metrics.accepted_per_position for o in outputs]
+        positions = max(map(len, per_request), default=0)
+        result.update(drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
+                      mean_acceptance_length=1 + accepted / drafts if drafts else None,
+                      acceptance_rate_by_position=[
+                          sum(p[i] for p in per_request if i < len(p)) / max(drafts, 1) for i in range(positions)])
+    del llm
+    _release()
+    return result
+
+
+def run(args, vocab: int) -> dict:
+    if args.compare_hf or args.load_format == "dummy":
+        raise SystemExit("bench speculative compares DeepInfer with itself on real weights: --compare-hf and "
+                         "--load-format dummy do not apply")
+    texts = PROMPTS
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            texts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+    results = {}
+    for batch in args.batch_sizes:
+        prompts = [texts[i % len(texts)] for i in range(batch)]
+        plain, drafted = _run(args, batch, prompts, False), _run(args, batch, prompts, True)
+        same = plain.pop("token_ids") == drafted.pop("token_ids")
+        results[f"batch_{batch}"] = {
+            "without_drafts": plain, "with_drafts": drafted, "same_tokens": same,
+            "speedup": drafted["decode_tokens_per_second"] / plain["decode_tokens_per_second"]}
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompts-file", help="one prompt per line (\\n escapes become newlines)")
+    parser.set_defaults(run=run)

@@ -1,0 +1,135 @@
+"""DeepSeek-V4.1's DSpark draft (``models/deepseek_v41/dspark.py``, served by ``features/mtp``) against NeMo
+AutoModel's implementation (``tools/dspark_golden.py`` recorded ``fixtures/dspark_golden.pt``), and as a drafter."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams, envs
+from deepinfer.models.deepseek_v41.dspark import DraftInputs
+from deepinfer.plugins.manager import registered
+
+GOLDEN = Path(__file__).parent / "fixtures" / "dspark_golden.pt"
+mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
+
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    envs.reload()
+
+
+def _embedded(**engine_args):
+    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+        return LLM("deepinfer-tiny-v4.1", dtype="float32", **engine_args)
+
+
+@pytest.fixture
+def embedded(switched_on):
+    return _embedded()
+
+
+def test_draft_logits_and_confidence_match_nemo():
+    """NeMo multiplies dequantized weights without rounding activations to FP8: quantization="none" does too."""
+    golden = torch.load(GOLDEN)
+    ids = golden["token_ids"].tolist()
+    llm = _embedded(quantization="none")
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # one prefill step
+    model = llm.engine.model
+    drafter = llm.engine.speculator.drafter
+    features = model.features
+    assert (features - golden["features"]).abs().max() <= 1e-4 * golden["features"].abs().max()
+    window = model.config.window
+    contexts, positions = [], []
+    for anchor in golden["anchors"].tolist():  # the window before each anchor, in ring order (row p % window)
+        seen = torch.arange(max(0, anchor - window), anchor)
+        rows = torch.zeros(window, model.config.hidden_size)
+        rows[seen % window] = drafter.draft.project_context(features[seen])
+        contexts.append(rows)
+        positions.append(torch.full((window,), -1, dtype=torch.int64).index_put_((seen % window,), seen))
+    anchors = golden["anchors"]
+    inputs = DraftInputs(golden["token_ids"][anchors], anchors, torch.stack(contexts), torch.stack(positions))
+    heads = drafter.draft(inputs, model.embed, model.head)
+    for position in range(drafter.draft.block_size):
+        logits, confidence = drafter.draft.markov(golden["previous"][:, position], heads, position)
+        expected = golden["draft_logits"][:, position]
+        assert (logits - expected).abs().max() <= 1e-4 * expected.abs().max(), position
+        assert torch.allclose(confidence, torch.sigmoid(golden["confidence_logits"][:, position]), atol=1e-5)
+
+
+def test_dspark_drafts_are_accepted_and_output_is_unchanged(embedded, monkeypatch):
+    """The embedded model's trained draft: greedy output identical with and without it (fp32), and drafts
+    accepted well above chance (the training run measured a mean acceptance length of 1.83)."""
+    prompts = ["def fibonacci(n):", "import os\n", '"""Return the']
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    envs.reload()
+    plain = LLM("deepinfer-tiny-v4.1", dtype="float32").generate(prompts, params, use_tqdm=False)
+    drafted = embedded.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    stats = embedded.engine.speculator.stats
+    assert stats.num_drafts > 0 and 1 + stats.num_accepted_tokens / stats.num_drafts > 1.4
+    assert all(o.metrics.num_drafts > 0 for o in drafted)
+
+
+def test_the_drafter_keeps_the_window_before_each_anchor(embedded):
+    """After a prefill, a request's context holds the projected features of the last ``window`` positions, each in
+    row ``position % window``; the anchor (the token just sampled) is not among them."""
+    ids = torch.load(GOLDEN)["token_ids"].tolist()
+    seen = {}
+    drafter = embedded.engine.speculator.drafter
+    propose = drafter.propose
+
+    def spy(requests, computed):
+        drafts = propose(requests, computed)
+        seen.update({len(r.token_ids): drafter.contexts[id(r)][1] for r in requests})
+        return drafts
+
+    drafter.propose = spy
+    embedded.generate([ids], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    window = embedded.engine.model.config.window
+    context = seen[len(ids) + 1]  # after the prefill: the anchor is the first sampled token, at position len(ids)
+    expected = torch.arange(len(ids) - window, len(ids))
+    assert torch.equal(context.positions[expected % window], expected)
+    assert context.rows.abs().sum(-1).gt(0).all()
+
+
+def test_stages_load_from_the_checkpoint_in_its_formats(embedded):
+    """The V4.1 model skips ``mtp.*``; the drafter reads them, quantized projections and experts as stored."""
+    draft = embedded.engine.speculator.drafter.draft
+    assert len(draft.layers) == 3 and draft.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert draft.layers[0].ffn.experts.w1.weight.dtype == torch.int8  # MXFP4, two values per byte
+    assert not any(name.startswith("mtp") for name, _ in embedded.engine.model.named_parameters())
+
+
+def test_dspark_is_off_unless_switched_on(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    envs.reload()
+    assert _embedded().engine.speculator is None
+
+
+def test_v4_models_decode_without_speculation(tiny_v4_checkpoint, caplog):
+    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+        llm = LLM(str(tiny_v4_checkpoint), dtype="float32")
+    assert llm.engine.speculator is None
+    assert "classic MTP for the V4 family is not built yet" in caplog.text
+
+
+def test_bench_speculative_reports_both_runs_and_acceptance(tmp_path, monkeypatch):
+    from deepinfer.cli import main
+
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")  # the command sets it per run; restored after
+    out = tmp_path / "speculative.json"
+    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+        main(["bench", "speculative", "--model", "deepinfer-tiny-v4.1", "--batch-sizes", "2", "--output-len", "12",
+              "--output-json", str(out)])
+    result = json.loads(out.read_text())["batch_2"]
+    assert result["same_tokens"] and result["speedup"] > 0
+    drafted = result["with_drafts"]
+    assert drafted["drafts"] > 0 and drafted["mean_acceptance_length"] == 1 + drafted["accepted_tokens"] / drafted["drafts"]
+    assert len(drafted["acceptance_rate_by_position"]) >= 1
