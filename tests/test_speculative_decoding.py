@@ -233,12 +233,15 @@ def test_metrics_are_logged(tiny_v4_checkpoint, greedy_v4, caplog):
 
 def test_unseeded_sampling_keeps_its_distribution(tiny_v4_checkpoint):
     """Without a seed, the tokens after a verified draft must still follow the model's distribution: the second
-    and third tokens of many samples, with drafts that are right about half the time, against samples without
-    drafts (a chi-square two-sample test over the most frequent tokens; p > 0.001 fails one run in a thousand)."""
-    params = SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True, n=400)
+    and third tokens of many samples, drafted as each position's most frequent token (accepted for a part of the
+    samples only), against samples without drafts (a chi-square two-sample test over the most frequent tokens;
+    p > 0.001 fails one run in a thousand)."""
+    params = SamplingParams(temperature=0.3, max_tokens=3, ignore_eos=True, n=400)
     plain, _ = _run(tiny_v4_checkpoint, ["import os"], params, seed=1)
-    common = Counter(tuple(c.token_ids[:2]) for c in plain[0].outputs).most_common(1)[0][0]
-    reference = {tuple(plain[0].prompt_token_ids): list(common) + [0]}
+    # drafts: each position's most frequent token, so some are accepted whatever came before
+    common = [Counter(c.token_ids[i] for c in plain[0].outputs).most_common(1)[0] for i in range(3)]
+    assert common[1][1] >= 40, common  # drafts accepted often enough to matter, rejected often enough too
+    reference = {tuple(plain[0].prompt_token_ids): [token for token, _ in common]}
     drafted, llm = _run(tiny_v4_checkpoint, ["import os"], params, OracleDrafter(reference), seed=2)
     assert 0 < llm.engine.speculator.stats.num_accepted_tokens < llm.engine.speculator.stats.num_draft_tokens
     for position in (1, 2):
