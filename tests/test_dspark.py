@@ -34,6 +34,12 @@ def embedded(switched_on):
     return _embedded()
 
 
+# Exactly equal outputs need arithmetic that does not depend on how many rows a step has: fp32 with dequantized
+# weights. With FP8 activation rounding (quantization="auto") a last-bit difference between a one-row decode step
+# and a multi-row verification step can cross a rounding boundary (a 6% step) and change later tokens.
+EXACT = dict(quantization="none")
+
+
 def test_draft_logits_and_confidence_match_nemo():
     """NeMo multiplies dequantized weights without rounding activations to FP8: quantization="none" does too."""
     golden = torch.load(GOLDEN)
@@ -62,17 +68,18 @@ def test_draft_logits_and_confidence_match_nemo():
         assert torch.allclose(confidence, torch.sigmoid(golden["confidence_logits"][:, position]), atol=1e-5)
 
 
-def test_dspark_drafts_are_accepted_and_output_is_unchanged(embedded, monkeypatch):
+def test_dspark_drafts_are_accepted_and_output_is_unchanged(switched_on, monkeypatch):
     """The embedded model's trained draft: greedy output identical with and without it (fp32), and drafts
     accepted well above chance (the training run measured a mean acceptance length of 1.83)."""
     prompts = ["def fibonacci(n):", "import os\n", '"""Return the']
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    drafted_llm = _embedded(**EXACT)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
     envs.reload()
-    plain = LLM("deepinfer-tiny-v4.1", dtype="float32").generate(prompts, params, use_tqdm=False)
-    drafted = embedded.generate(prompts, params, use_tqdm=False)
+    plain = LLM("deepinfer-tiny-v4.1", dtype="float32", **EXACT).generate(prompts, params, use_tqdm=False)
+    drafted = drafted_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
-    stats = embedded.engine.speculator.stats
+    stats = drafted_llm.engine.speculator.stats
     assert stats.num_drafts > 0 and 1 + stats.num_accepted_tokens / stats.num_drafts > 1.4
     assert all(o.metrics.num_drafts > 0 for o in drafted)
 
@@ -127,7 +134,7 @@ def test_bench_speculative_reports_both_runs_and_acceptance(tmp_path, monkeypatc
     out = tmp_path / "speculative.json"
     with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
         main(["bench", "speculative", "--model", "deepinfer-tiny-v4.1", "--batch-sizes", "2", "--output-len", "12",
-              "--output-json", str(out)])
+              "--quantization", "none", "--output-json", str(out)])
     result = json.loads(out.read_text())["batch_2"]
     assert result["same_tokens"] and result["speedup"] > 0
     drafted = result["with_drafts"]
