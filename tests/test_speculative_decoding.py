@@ -115,9 +115,11 @@ def test_v41_with_engram_is_unchanged_by_drafts():
     """Engram hashes the tokens before each position: inside a verified draft those are drafts."""
     prompts = ["def fibonacci(n):", "import os\n"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected, _ = _run("deepinfer-tiny-v4.1", prompts, params)
+    exact = dict(quantization="none")  # FP8 activation rounding would amplify multi-row last-bit differences
+    expected, _ = _run("deepinfer-tiny-v4.1", prompts, params, **exact)
     for wrong_at in (None, 2):
-        outputs, llm = _run("deepinfer-tiny-v4.1", prompts, params, OracleDrafter(_reference(expected), wrong_at))
+        outputs, llm = _run("deepinfer-tiny-v4.1", prompts, params, OracleDrafter(_reference(expected), wrong_at),
+                            **exact)
         _assert_same(outputs, expected)
         assert llm.engine.speculator.stats.num_drafts > 0
 
