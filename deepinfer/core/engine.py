@@ -240,7 +240,7 @@ class LLMEngine:
     def _verify(self, scheduled, sampling_requests: list[Request], logits) -> list[Request]:
         """Speculative decoding's step end (``core/speculation.py``): samples every verified row, keeps each
         request's accepted drafts and the token after them, books them, then drafts for the next step."""
-        finished, computed = [], {}
+        finished, rejected = [], {}  # rejected: positions computed for drafts that were not kept
         if sampling_requests:
             rows = self.speculator.rows(sampling_requests)
             sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
@@ -253,14 +253,14 @@ class LLMEngine:
                 if drafted:
                     self.speculator.stats.record(request, drafted, accepted)
                 request.drop_drafts()
-                computed[id(request)] = drafted - accepted  # rejected positions: computed, but not kept
+                rejected[id(request)] = drafted - accepted
                 if self.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
                     finished.append(request)
                 first += drafted + 1
-        kept, row = [], 0
+        kept, row, done = [], 0, {id(r) for r in finished}
         for request, start, n in scheduled:
-            if not request.finished and request not in finished:
-                kept.append(ComputedRows(request, row, start, n - computed.get(id(request), 0)))
+            if not request.finished and id(request) not in done:
+                kept.append(ComputedRows(request, row, start, n - rejected.get(id(request), 0)))
             row += n
         self.scheduler.step_done([(k.request, k.position, k.count) for k in kept])
         for request in finished:
