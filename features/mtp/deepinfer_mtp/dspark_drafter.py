@@ -19,9 +19,7 @@ class _Context:
     positions: torch.Tensor  # [window] int64
 
     def write(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        window = self.rows.shape[0]
-        positions, rows = positions[-window:], rows[-window:]  # a long prefill: only the last window is read
-        slots = positions % window
+        slots = positions % self.rows.shape[0]
         self.rows[slots] = rows
         self.positions[slots] = positions
 
@@ -63,16 +61,18 @@ class DSparkDrafter:
         if features is None:
             raise RuntimeError("DSpark drafting needs the target's features from every step, and the last step "
                                "produced none (did it replay a CUDA graph?)")
-        index = torch.cat([torch.arange(c.row, c.row + c.count) for c in computed]) if computed else None
-        if index is None or not index.numel():
+        # only the last ``window`` rows of each request can be read again (a long prefill computes many more)
+        spans = [(c, max(0, c.count - self.window)) for c in computed]
+        index = [torch.arange(c.row + skip, c.row + c.count) for c, skip in spans]
+        if not index or not sum(len(i) for i in index):
             return
-        projected = self.draft.project_context(features[index.to(features.device)])
+        projected = self.draft.project_context(features[torch.cat(index).to(features.device)])
         first = 0
-        for c in computed:
-            context = self._context(c.request, projected)
-            positions = torch.arange(c.position, c.position + c.count, device=projected.device)
-            context.write(positions, projected[first:first + c.count])
-            first += c.count
+        for c, skip in spans:
+            count = c.count - skip
+            positions = torch.arange(c.position + skip, c.position + c.count, device=projected.device)
+            self._context(c.request, projected).write(positions, projected[first:first + count])
+            first += count
 
     def _context(self, request, like: torch.Tensor) -> _Context:
         entry = self.contexts.get(id(request))
