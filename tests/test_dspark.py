@@ -42,7 +42,7 @@ EXACT = dict(quantization="none")
 
 def test_draft_logits_and_confidence_match_nemo():
     """NeMo multiplies dequantized weights without rounding activations to FP8: quantization="none" does too."""
-    golden = torch.load(GOLDEN)
+    golden = torch.load(GOLDEN, weights_only=True)
     ids = golden["token_ids"].tolist()
     llm = _embedded(quantization="none")
     llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # one prefill step
@@ -87,7 +87,7 @@ def test_dspark_drafts_are_accepted_and_output_is_unchanged(switched_on, monkeyp
 def test_the_drafter_keeps_the_window_before_each_anchor(embedded):
     """After a prefill, a request's context holds the projected features of the last ``window`` positions, each in
     row ``position % window``; the anchor (the token just sampled) is not among them."""
-    ids = torch.load(GOLDEN)["token_ids"].tolist()
+    ids = torch.load(GOLDEN, weights_only=True)["token_ids"].tolist()
     seen = {}
     drafter = embedded.engine.speculator.drafter
     propose = drafter.propose
