@@ -9,7 +9,8 @@
 # kernels (tools/gpu_kernels.py), profile (tools/profile_decode.py at batch 1 and 16), idle (device idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
-# (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64).
+# (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
+# spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts).
 # TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`. Results come back as results.tgz.
 set -uo pipefail
 sections=",$1,"
@@ -126,6 +127,11 @@ if has large; then
     latency b64 --batch-size 64 --input-len 512 --output-len 64
     latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
     latency prefill8192 --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --compare-hf
+fi
+if has spec; then  # issue 8: DSpark drafts on the embedded model (eager verification steps for now)
+    stamp "speculative"
+    timeout 400 "${bench[@]}" speculative --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-sizes 1 32 \
+        --output-len 128 --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|speedup|mean_acceptance" | head -8
 fi
 if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
