@@ -62,7 +62,7 @@ class DSparkStage(nn.Module):
         self.attn = Attention(c, c.num_layers + stage, rotary, attention)  # window-only: its projections and sinks
         self.ffn = MoE(c, False, moe)
         self.ffn.gate.register_buffer("bias_vl", torch.zeros(self.ffn.gate.bias.shape, dtype=torch.float32))
-        self.mhc, self.backend = mhc, attention
+        self.mhc = mhc
         if stage == 0:
             targets = len(c.dspark["dspark_target_layer_ids"])
             self.main_proj = nn.Linear(targets * hidden, hidden, bias=False)
@@ -94,7 +94,7 @@ class DSparkStage(nn.Module):
         a = self.attn
         q = a.rotary.apply(a.wq_b(a.q_norm(a.wq_a(x))).view(x.shape[0], a.n_heads, a.head_dim), phases)
         rows = torch.cat([context_kv, self.keys(x, phases)])
-        o = self.backend.sparse_attention(q, [(rows, index)], a.attn_sink, a.scale)
+        o = a.backend.sparse_attention(q, [(rows, index)], a.attn_sink, a.scale)
         return grouped_output(a.rotary.apply(o, phases, inverse=True), a.wo_a, a.wo_b, a.o_groups)
 
 
