@@ -145,6 +145,22 @@ def test_min_tokens_blocks_a_stop_token_up_to_the_right_draft(tiny_v4_checkpoint
     _assert_same(outputs, expected)
 
 
+def test_stop_strings_and_stop_tokens_inside_a_verified_block(tiny_v4_checkpoint, greedy_v4):
+    """A step may emit several tokens; a stop string or stop token among them ends the request there, and the
+    tokens after it in the same step are dropped, exactly as decoding one token at a time would."""
+    first, second = greedy_v4[0].outputs[0], greedy_v4[1].outputs[0]
+    cases = [SamplingParams(temperature=0, max_tokens=16, stop=[first.text[5:8]]),
+             SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[second.token_ids[6]], ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=16, stop=[first.text[5:8]], include_stop_str_in_output=True)]
+    for params in cases:
+        expected, _ = _run(tiny_v4_checkpoint, PROMPTS, params)
+        outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, params, OracleDrafter(_reference(greedy_v4)))
+        _assert_same(outputs, expected)
+        assert [o.outputs[0].finish_reason for o in outputs] == [o.outputs[0].finish_reason for o in expected]
+        assert [o.outputs[0].stop_reason for o in outputs] == [o.outputs[0].stop_reason for o in expected]
+    assert any(o.outputs[0].finish_reason == "stop" for o in expected)
+
+
 def test_chunked_prefill_preemption_and_prefix_caching_with_drafts(tiny_v4_checkpoint):
     """A 12-token step budget cuts drafts and chunks prompts, a small cache preempts requests that hold drafts, and
     the prefix cache sees blocks written during verification; a request without drafts decodes among them."""
