@@ -131,6 +131,12 @@ def test_seeded_sampling_is_identical_with_drafts(tiny_v4_checkpoint):
     for wrong_at in (None, 1):
         outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, SEEDED, OracleDrafter(_reference(expected), wrong_at))
         _assert_same(outputs, expected)
+    # n = 2: each sample has its own noise key; the drafts follow sample 0, so sample 1's are mostly rejected
+    two = SamplingParams(temperature=0.8, max_tokens=12, seq_seed=7, n=2, ignore_eos=True)
+    expected, _ = _run(tiny_v4_checkpoint, PROMPTS, two)
+    outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, two, OracleDrafter(_reference(expected)))
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs] for o in expected]
+    assert any(o.outputs[0].token_ids != o.outputs[1].token_ids for o in expected)
 
 
 def test_min_tokens_blocks_a_stop_token_up_to_the_right_draft(tiny_v4_checkpoint, greedy_v4):
