@@ -12,7 +12,8 @@ import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.models.deepseek_v41.dspark import DraftInputs
-from deepinfer.plugins.manager import registered
+from deepinfer.core.model_source import EMBEDDED_MODEL_DIR
+from deepinfer.plugins.manager import PluginError, registered
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dspark_golden.pt"
 mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
@@ -120,11 +121,20 @@ def test_dspark_is_off_unless_switched_on(monkeypatch):
     assert _embedded().engine.speculator is None
 
 
-def test_v4_models_decode_without_speculation(tiny_v4_checkpoint, caplog):
+def test_models_without_dspark_stages_are_refused(tiny_v4_checkpoint, tmp_path):
+    """DEEPINFER_ENABLE_MTP_VARLEN=1 asks for drafts: a V4 model, a V4.1 checkpoint without stages and dummy
+    weights each get an error naming why, not a run without speculation."""
     with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
-        llm = LLM(str(tiny_v4_checkpoint), dtype="float32")
-    assert llm.engine.speculator is None
-    assert "classic MTP for the V4 family is not built yet" in caplog.text
+        with pytest.raises(PluginError, match="classic MTP for the V4 family is not built yet"):
+            LLM(str(tiny_v4_checkpoint), dtype="float32")
+        with pytest.raises(PluginError, match="load_format='dummy'"):
+            LLM("deepinfer-tiny-v4.1", dtype="float32", load_format="dummy")
+        config = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
+        config["text_config"]["num_nextn_predict_layers"] = 0
+        config["text_config"]["compress_ratios"] = config["text_config"]["compress_ratios"][:-3]
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(PluginError, match="no DSpark draft stages"):
+            LLM(str(tmp_path), dtype="float32", load_format="dummy", tokenizer=str(EMBEDDED_MODEL_DIR))
 
 
 def test_bench_speculative_reports_both_runs_and_acceptance(tmp_path, monkeypatch):

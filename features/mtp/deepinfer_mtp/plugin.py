@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from deepinfer import envs
 from deepinfer.core.linear import cast_floating
 from deepinfer.core.model_source import resolve_model_dir
-from deepinfer.logger import init_logger, log_once
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDraft
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM, keeps_fp32
 from deepinfer.models.loader import load_part
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer_mtp.dspark_drafter import DSparkDrafter
-
-logger = init_logger(__name__)
-
 
 def _draft_stage_name(name: str) -> str | None:
     """Checkpoint ``mtp.{i}.*`` read as the draft's ``layers.{i}.*``; every other tensor skipped."""
@@ -30,17 +24,17 @@ def deepinfer_drafter(config, model):
     if not envs.get().DEEPINFER_ENABLE_MTP_VARLEN:  # the spec's switch for DSpark drafting and its verification
         return None
     c = getattr(model, "config", None)
+    # DEEPINFER_ENABLE_MTP_VARLEN=1 asks for DSpark drafts: a model that cannot have them is an error, not a
+    # silent run without speculation
     if not isinstance(c, DeepseekV41ModelConfig):
-        log_once(logger, logging.INFO, "features/mtp: DSpark drafts serve DeepSeek-V4.1 only; classic MTP for the "
-                 "V4 family is not built yet, so this model decodes without speculation")
-        return None
+        raise ValueError("DEEPINFER_ENABLE_MTP_VARLEN=1: DSpark drafts serve DeepSeek-V4.1 checkpoints; classic MTP "
+                         "for the V4 family is not built yet. Unset it for this model")
     if not c.num_nextn_predict_layers or not c.dspark:
-        log_once(logger, logging.INFO, "features/mtp: the checkpoint has no DSpark stages; no speculation")
-        return None
+        raise ValueError("DEEPINFER_ENABLE_MTP_VARLEN=1: this checkpoint has no DSpark draft stages "
+                         "(num_nextn_predict_layers is 0). Unset it for this model")
     if config.load_format == "dummy":
-        log_once(logger, logging.WARNING, "features/mtp: load_format='dummy' reads no weights, and random draft "
-                 "stages would draft nothing useful; decoding without speculation")
-        return None
+        raise ValueError("DEEPINFER_ENABLE_MTP_VARLEN=1 with load_format='dummy': random draft stages would draft "
+                         "nothing useful. Load real weights or unset it")
     device = model.embed.weight.device
     backends = model.backends
     with torch.device("meta"):
