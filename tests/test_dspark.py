@@ -150,3 +150,23 @@ def test_bench_speculative_reports_both_runs_and_acceptance(tmp_path, monkeypatc
     drafted = result["with_drafts"]
     assert drafted["drafts"] > 0 and drafted["mean_acceptance_length"] == 1 + drafted["accepted_tokens"] / drafted["drafts"]
     assert len(drafted["acceptance_rate_by_position"]) >= 1
+
+
+def test_drafting_from_padded_graph_steps_matches_eager_steps():
+    """A replayed verification step hands the drafter the features of its real rows only, in step order: drafts
+    and acceptance are those of eager steps (padded steps run eagerly on a CPU, ``capture=False``)."""
+    from deepinfer.core.cuda_graphs import DecodeGraphs
+
+    prompts = ["def fibonacci(n):", "import os\n", '"""Return the']
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = _embedded(**EXACT)
+    expected = eager.generate(prompts, params, use_tqdm=False)
+    padded = _embedded(**EXACT)
+    engine = padded.engine
+    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
+                                 capture=False, tokens_per_request=1 + engine.speculator.max_drafts)
+    outputs = padded.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    ours, theirs = engine.speculator.stats, eager.engine.speculator.stats
+    assert (ours.num_drafts, ours.num_draft_tokens, ours.num_accepted_tokens) == (
+        theirs.num_drafts, theirs.num_draft_tokens, theirs.num_accepted_tokens)

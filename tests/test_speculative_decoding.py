@@ -9,9 +9,12 @@ every cache kind (window rows, compressed entries, compressor state, indexer key
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.core import speculation
@@ -19,6 +22,7 @@ from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
 
+V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
 PROMPTS = ["import os", "def f(x):", "class A:\n    pass\n" * 3]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seq_seed=7,
@@ -298,3 +302,43 @@ def _chi2_survival(x: float, k: int) -> float:
         n += 1
     lower = math.exp(-z + a * math.log(z) - math.lgamma(a)) * total if z > 0 else 0.0
     return max(0.0, 1 - lower)
+
+
+@pytest.mark.parametrize("which", ["v4", "v4.1"])
+def test_verification_steps_padded_for_cuda_graphs_match(which, tiny_v4_checkpoint):
+    """Verification steps replay CUDA graphs too: each request's last token and drafts padded to 1 + max drafts
+    rows (positions after its own, rewritten later like rejected drafts). On a CPU the padded steps run eagerly
+    (``capture=False``) and must give the tokens and logprobs of decoding without drafts."""
+    from deepinfer.core.cuda_graphs import DecodeGraphs
+
+    model, args = {"v4": (tiny_v4_checkpoint, {}), "v4.1": (V41_FIXTURE, {"quantization": "none"})}[which]
+    prompts = [[5, 9, 13], list(range(3, 40)), [7] * 18]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    expected, _ = _run(model, prompts, params, **args)
+    with registered(DrafterPlugin(OracleDrafter(_reference(expected), wrong_at=2, skip=[tuple(prompts[2])])),
+                    "oracle-drafts"):
+        llm = LLM(str(model), dtype="float32", **args)
+    engine = llm.engine
+    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
+                                 capture=False, tokens_per_request=6)
+    padded_steps = []
+    logits = engine.graphs.logits
+    engine.graphs.logits = lambda scheduled, **kw: padded_steps.append(len(scheduled)) or logits(scheduled, **kw)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _assert_same(outputs, expected)
+    assert len(padded_steps) >= 5 and engine.speculator.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_verification_graphs_replay_as_eager_steps_run(tiny_v4_checkpoint, greedy_v4):
+    """On a GPU with the NVIDIA plugin: verification steps captured and replayed give the eager steps' tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
+    nvidia = pytest.importorskip("deepinfer_nvidia.plugin")
+    drafter = OracleDrafter(_reference(greedy_v4), wrong_at=2)
+    with registered(nvidia, "nvidia"), registered(DrafterPlugin(drafter), "oracle-drafts"):
+        eager = LLM(str(tiny_v4_checkpoint), dtype="float32", enforce_eager=True).generate(PROMPTS, GREEDY,
+                                                                                          use_tqdm=False)
+        llm = LLM(str(tiny_v4_checkpoint), dtype="float32")
+        replayed = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.graphs is not None and llm.engine.graphs.graphs
+    _assert_same(replayed, eager)

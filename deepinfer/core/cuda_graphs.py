@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.core.forward_batch import ForwardBatchBuilder, PaddedShape, StepInputs
+from deepinfer.core.forward_batch import ForwardBatchBuilder, PaddedShape, StepInputs, real_rows
 from deepinfer.core.kv_cache import KVCache
 from deepinfer.logger import init_logger
 
@@ -33,6 +33,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: StepInputs  # static, on the device
     hidden: torch.Tensor  # the final hidden rows the vocabulary projection reads, [padded batch, hidden]
+    features: torch.Tensor | None  # the model's per-token features (a drafter's input), when it keeps any
     # ``inputs`` are views into one device buffer, ``staging`` into one pinned host buffer of the same layout: a
     # step fills the staging views and moves them with one copy. The event follows that copy: a step overwrites
     # the staging buffer only once the previous step's copy has run (usually long done: it preceded the step now
@@ -50,9 +51,13 @@ class _Captured:
 
 
 class DecodeGraphs:
+    """``tokens_per_request`` > 1: speculative decoding's verification steps (a request's last token and its
+    drafts, padded to that many rows)."""
+
     def __init__(self, model, cache: KVCache, builder: ForwardBatchBuilder, max_batch: int, max_model_len: int,
-                 capture: bool = True):
+                 capture: bool = True, tokens_per_request: int = 1):
         self.model, self.cache, self.builder = model, cache, builder
+        self.tokens_per_request = tokens_per_request
         self.capture = capture  # False runs the padded batches eagerly: how CPU tests check the padding
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [min(max_batch, BATCH_SIZES[-1])]
         self.max_model_len = max_model_len
@@ -61,25 +66,35 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def fits(self, scheduled) -> bool:
-        """Decode steps only (one new token per request) and no more requests than the largest graph."""
-        return len(scheduled) <= self.sizes[-1] and all(n == 1 and start + 1 == len(r.token_ids)
+        """Decode steps only (each request's last token, and its drafts) and no more requests than the largest
+        graph."""
+        q = self.tokens_per_request
+        return len(scheduled) <= self.sizes[-1] and all(n <= q and start + n == len(r.token_ids)
                                                        for r, start, n in scheduled)
 
     def _shape(self, scheduled) -> PaddedShape:
+        q = self.tokens_per_request
         size = next(s for s in self.sizes if s >= len(scheduled))
-        longest = max(start + 1 for _, start, _ in scheduled)
-        context = min(max(MIN_CONTEXT, 1 << (longest - 1).bit_length()), self.max_model_len)
-        return PaddedShape(size, -(-context // self.builder.block_size), {r: -(-context // r) for r in self.ratios},
-                           self.cache.scratch_rows)
+        longest = max(start + q for _, start, _ in scheduled)  # the padding rows' positions too
+        context = 1 << (longest - 1).bit_length()
+        if q == 1:
+            context = min(max(MIN_CONTEXT, context), self.max_model_len)
+        else:  # padding rows may sit past max_model_len: the bucket must still cover them
+            context = max(MIN_CONTEXT, context)
+        return PaddedShape(size * q, -(-context // self.builder.block_size), {r: -(-context // r) for r in self.ratios},
+                           self.cache.scratch_rows, q)
 
     def logits(self, scheduled, before_launch=lambda token_ids: None) -> torch.Tensor:
         """Next-token logits [len(scheduled), V]. ``before_launch`` gets the step's input token ids where the
         forward pass will read them, before it runs (asynchronous scheduling completes them there)."""
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape)
+        rows = real_rows(scheduled, self.tokens_per_request).to(inputs.token_ids.device)
         if not self.capture:
             before_launch(inputs.token_ids)
-            return self.model.project_vocab(self._forward(inputs)[: len(scheduled)])
+            hidden = self._forward(inputs)
+            self._keep_features(getattr(self.model, "features", None), rows)
+            return self.model.project_vocab(hidden[rows])
         key = (shape.num_tokens, shape.blocks)
         captured = self.graphs.get(key)
         if captured is None:
@@ -88,7 +103,14 @@ class DecodeGraphs:
             captured.stage(inputs)
             before_launch(captured.inputs.token_ids)
         captured.graph.replay()
-        return self.model.project_vocab(captured.hidden[: len(scheduled)])
+        rows = rows.to(captured.hidden.device)
+        self._keep_features(captured.features, rows)
+        return self.model.project_vocab(captured.hidden[rows])
+
+    def _keep_features(self, features: torch.Tensor | None, rows: torch.Tensor) -> None:
+        """The model's per-token features of the real rows, in step order, where a drafter reads them."""
+        if features is not None:
+            self.model.features = features[rows.to(features.device)]
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         batch = self.builder.derive(inputs)
@@ -98,7 +120,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         staging_buffer, staging = host_inputs.packed_like("cpu", pin_memory=True)
         inputs_buffer, inputs = host_inputs.packed_like(self.builder.device)
-        captured = _Captured(None, inputs, None, inputs_buffer, staging, staging_buffer, torch.cuda.Event())
+        captured = _Captured(None, inputs, None, None, inputs_buffer, staging, staging_buffer, torch.cuda.Event())
         captured.stage(host_inputs)
         before_launch(inputs.token_ids)
         self._forward(inputs)
@@ -113,4 +135,5 @@ class DecodeGraphs:
         logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", inputs.token_ids.shape[0],
                     inputs.candidates, time.perf_counter() - start)
         captured.graph, captured.hidden = graph, hidden
+        captured.features = getattr(self.model, "features", None)  # the graph's own output tensor, if any
         return captured

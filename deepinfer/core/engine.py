@@ -112,7 +112,6 @@ class LLMEngine:
             env = envs.get()
             self.speculator = Speculator(offer[0], env.DEEPINFER_USE_NEXTN_DECODE, env.DEEPINFER_ENABLE_MTP_VARLEN,
                                          self.config.max_num_batched_tokens, self.max_model_len)
-            self.graph_blockers.append("speculative decoding (its steps verify several tokens per request)")
             logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,
                         offer[1], env.DEEPINFER_USE_NEXTN_DECODE,
                         "confidence-scheduled lengths" if env.DEEPINFER_ENABLE_MTP_VARLEN else "fixed length")
@@ -155,7 +154,10 @@ class LLMEngine:
         if self.device.type == "cuda" and not c.enforce_eager and self.graph_blockers:
             logger.warning("CUDA graphs off: %s", "; ".join(self.graph_blockers))
         elif self.device.type == "cuda" and not c.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.batch_builder, c.max_num_seqs, self.max_model_len)
+            # with drafts, a request's step holds its last token and up to max_drafts drafts
+            rows = 1 + (self.speculator.max_drafts if self.speculator is not None else 0)
+            self.graphs = DecodeGraphs(self.model, self.cache, self.batch_builder, c.max_num_seqs, self.max_model_len,
+                                       tokens_per_request=rows)
             logger.info("decode steps of up to %d requests replay CUDA graphs (enforce_eager=True turns them off)",
                         self.graphs.sizes[-1])
 

@@ -106,19 +106,25 @@ class StepInputs:
 
 @dataclass(slots=True)
 class PaddedShape:
-    """The fixed shapes of a captured decode graph: ``num_tokens`` rows (one per request, padded ones own an empty
-    block-table row), ``blocks`` table columns and ``candidates`` columns per compression ratio. Padded tokens
-    attend to nothing and write their rows to each pool's scratch row (``KVCache.scratch_rows``), as do real
-    tokens whose compression window does not close in this step."""
+    """The fixed shapes of a captured decode graph: ``num_tokens`` rows, ``tokens_per_request`` per request
+    (padded requests own an empty block-table row), ``blocks`` table columns and ``candidates`` columns per
+    compression ratio. Padded requests attend to nothing and write their rows to each pool's scratch row
+    (``KVCache.scratch_rows``), as do real tokens whose compression window does not close in this step.
+
+    With speculative decoding a request has its last token and its drafts, padded to ``tokens_per_request`` with
+    tokens at the positions after them. Those positions are past everything the request has computed: whatever is
+    written there is rewritten when the position is computed for real (as for rejected drafts), and the context
+    bucket covers them, so no position is folded onto another's row."""
 
     num_tokens: int
     blocks: int
     candidates: dict[int, int]
     scratch_rows: dict[str, int]
+    tokens_per_request: int = 1
 
     def pad(self, inputs: StepInputs) -> StepInputs:
-        if inputs.logits_rows.shape[0] != inputs.token_ids.shape[0]:
-            raise ValueError("a padded (CUDA-graph) batch must sample every token: decode steps only")
+        if inputs.logits_rows.shape[0] != inputs.token_ids.shape[0] or self.tokens_per_request != 1:
+            raise ValueError("a padded (CUDA-graph) batch must sample every token: one-token decode steps only")
         n = self.num_tokens
         tables = {}
         for kind, table in inputs.tables.items():
@@ -135,6 +141,20 @@ class PaddedShape:
             candidates=self.candidates,
             scratch_rows=self.scratch_rows,
         )
+
+
+def real_rows(scheduled, tokens_per_request: int) -> torch.Tensor:
+    """Rows of a padded step's tokens that are the scheduled ones, in their order: request i's n tokens come
+    first in its ``tokens_per_request`` rows."""
+    return torch.tensor([i * tokens_per_request + j for i, (_, _, n) in enumerate(scheduled) for j in range(n)],
+                        dtype=torch.int64)
+
+
+def _scatter_rows(t: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[num_rows, ...] zeros with ``t``'s rows at ``rows``, copied as bytes (Engram's FP8 rows have no index_copy)."""
+    out = torch.zeros((num_rows, *t.shape[1:]), dtype=t.dtype)
+    out.view(torch.uint8).index_copy_(0, rows, t.contiguous().view(torch.uint8))
+    return out
 
 
 def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
@@ -163,7 +183,7 @@ class ForwardBatchBuilder:
 
     # -- host side ----------------------------------------------------------------------------
     def inputs(self, scheduled: list[tuple[object, int, int]], padded: PaddedShape | None = None) -> StepInputs:
-        if padded is not None and all(n == 1 for _, _, n in scheduled):
+        if padded is not None and all(n <= padded.tokens_per_request for _, _, n in scheduled):
             return self._padded_decode_inputs(scheduled, padded)
         requests = [r for r, _, _ in scheduled]
         positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
@@ -191,26 +211,33 @@ class ForwardBatchBuilder:
         return inputs if padded is None else padded.pad(inputs)
 
     def _padded_decode_inputs(self, scheduled, padded: PaddedShape) -> StepInputs:
-        """``padded.pad(self.inputs(scheduled))`` for a decode step, built as padded lists and one tensor each:
-        every step of a CUDA-graph decode comes here, and at small batches the generic path's few dozen small
-        tensor ops were a good part of the host's step."""
-        n, blocks, pad = padded.num_tokens, padded.blocks, padded.num_tokens - len(scheduled)
-        token_ids = [r.token_ids[start] for r, start, _ in scheduled]
-        positions = [start for _, start, _ in scheduled]
+        """``padded.pad(self.inputs(scheduled))`` for a decode step (or a verification step: ``tokens_per_request``
+        rows per request, ``real_rows`` says which hold its tokens), built as padded lists and one tensor each:
+        every replayed step comes here, and at small batches the generic path's few dozen small tensor ops were a
+        good part of the host's step."""
+        q, blocks = padded.tokens_per_request, padded.blocks
+        requests = padded.num_tokens // q
+        token_ids, positions = [], []
+        for r, start, n in scheduled:
+            token_ids += r.token_ids[start:start + n] + [0] * (q - n)
+            positions += range(start, start + q)
+        pad = padded.num_tokens - len(token_ids)
         tables = {}
         for kind in self.rows_per_block:
             rows = [list(r.tables.get(kind, ())[:blocks]) for r, _, _ in scheduled]
-            rows = [row + [-1] * (blocks - len(row)) for row in rows] + [[-1] * blocks] * pad
+            rows = [row + [-1] * (blocks - len(row)) for row in rows] + [[-1] * blocks] * (requests - len(scheduled))
             tables[kind] = torch.tensor(rows, dtype=torch.int64)
         extras = {}
         if self.token_history:  # computed for the real tokens; padded rows are ignored (zeros)
-            real = self.host_inputs(torch.tensor(token_ids), self._history(scheduled))
-            extras = {name: _pad_rows(t, n, 0) for name, t in real.items()}
+            real = self.host_inputs(torch.tensor([t for r, s, n in scheduled for t in r.token_ids[s:s + n]]),
+                                    self._history(scheduled))
+            rows = real_rows(scheduled, q)
+            extras = {name: _scatter_rows(t, rows, padded.num_tokens) for name, t in real.items()}
         return StepInputs(
             token_ids=torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
             positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
-            owner=torch.arange(n),
-            logits_rows=torch.arange(n),
+            owner=torch.arange(requests).repeat_interleave(q),
+            logits_rows=torch.arange(padded.num_tokens),
             tables=tables,
             close_tokens={},
             extras=extras,
