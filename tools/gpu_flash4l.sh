@@ -44,7 +44,7 @@ export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
 if has tests; then
     stamp tests
     # TESTS narrows the list (a rerun of what failed)
-    timeout 300 python -m pytest -q -x ${TESTS:-tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
+    timeout 420 python -m pytest -q -x ${TESTS:-tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
         tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py \
         tests/test_fp8_kv_cache.py tests/test_speculative_decoding.py tests/test_dspark.py} 2>&1 | tee "$out/tests.txt" | tail -15
 fi
