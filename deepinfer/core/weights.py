@@ -243,8 +243,7 @@ def _complete(name: str, parts: list[_Part], experts: int | None, problems: _Pro
     return not absent and len(seen) == len(parts)
 
 
-def stream_into(plan: LoadPlan, targets: dict[str, torch.Tensor], device: torch.device,
-                progress: bool = True) -> dict[str, torch.Tensor]:
+def stream_into(plan: LoadPlan, targets: dict[str, torch.Tensor], progress: bool = True) -> dict[str, torch.Tensor]:
     """Copy every planned tensor into ``targets`` (allocated per ``plan.layout``), one tensor at a time.
 
     Returns the memory-mapped tensors by checkpoint name.
@@ -287,7 +286,7 @@ def load_state_dict(model_dir: str | os.PathLike[str], expected: dict[str, Tenso
     into the model instead). Quantized weights come dequantized unless named in ``quantizable``."""
     plan = plan_load(model_dir, expected, **plan_options)
     targets = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in plan.layout.items()}
-    return {**targets, **stream_into(plan, targets, torch.device("cpu"), progress=False)}
+    return {**targets, **stream_into(plan, targets, progress=False)}
 
 
 def dummy_layout(expected: dict[str, TensorSpec], quantizable: set[str], block: tuple[int, int]

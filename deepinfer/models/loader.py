@@ -42,7 +42,7 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
         plan = plan_load(model_dir, expected, canonical=checkpoint_naming(model_config), quantizable=quantizable,
                          block=block, memory_mapped=model.memory_mapped)
         tensors = materialize(model, plan.layout, model.checkpoint_name, device, linear, block[1])
-        extras = stream_into(plan, tensors, device)
+        extras = stream_into(plan, tensors)
     model.attach(extras)
     model.backends = Backends(attention, moe, linear, mhc)  # what a drafter plugin builds its stages with
     return model.to(device)  # the buffers the model computes itself (RoPE, hashing tables)
@@ -64,4 +64,4 @@ def load_part(module: nn.Module, model_config, model_dir: Path, checkpoint_name,
     quantizable = quantizable_weights(module, checkpoint_name) if quantization == "auto" else set()
     block = model_config.weight_block_size
     plan = plan_load(model_dir, expected, canonical=canonical, quantizable=quantizable, block=block)
-    stream_into(plan, materialize(module, plan.layout, checkpoint_name, device, linear, block[1]), device)
+    stream_into(plan, materialize(module, plan.layout, checkpoint_name, device, linear, block[1]))
