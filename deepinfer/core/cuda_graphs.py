@@ -20,6 +20,7 @@ import torch
 
 from deepinfer.core.forward_batch import ForwardBatchBuilder, PaddedShape, StepInputs, real_rows
 from deepinfer.core.kv_cache import KVCache
+from deepinfer.core.transfer import to_device
 from deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -85,16 +86,14 @@ class DecodeGraphs:
                            self.cache.scratch_rows, q)
 
     def logits(self, scheduled, before_launch=lambda token_ids: None) -> torch.Tensor:
-        """Next-token logits [len(scheduled), V]. ``before_launch`` gets the step's input token ids where the
-        forward pass will read them, before it runs (asynchronous scheduling completes them there)."""
+        """Next-token logits of the scheduled tokens, in step order. ``before_launch`` gets the step's input token
+        ids where the forward pass will read them, before it runs (asynchronous scheduling completes them there)."""
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape)
-        rows = real_rows(scheduled, self.tokens_per_request).to(inputs.token_ids.device)
         if not self.capture:
             before_launch(inputs.token_ids)
             hidden = self._forward(inputs)
-            self._keep_features(getattr(self.model, "features", None), rows)
-            return self.model.project_vocab(hidden[rows])
+            return self._real_rows(scheduled, hidden, getattr(self.model, "features", None))
         key = (shape.num_tokens, shape.blocks)
         captured = self.graphs.get(key)
         if captured is None:
@@ -103,14 +102,18 @@ class DecodeGraphs:
             captured.stage(inputs)
             before_launch(captured.inputs.token_ids)
         captured.graph.replay()
-        rows = rows.to(captured.hidden.device)
-        self._keep_features(captured.features, rows)
-        return self.model.project_vocab(captured.hidden[rows])
+        return self._real_rows(scheduled, captured.hidden, captured.features)
 
-    def _keep_features(self, features: torch.Tensor | None, rows: torch.Tensor) -> None:
-        """The model's per-token features of the real rows, in step order, where a drafter reads them."""
+    def _real_rows(self, scheduled, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The real rows' logits, in step order; their features (a drafter's input) go where the drafter reads
+        them. One token per request: a slice, no index to copy in the decode step."""
+        if self.tokens_per_request == 1:
+            rows = slice(0, len(scheduled))
+        else:
+            rows = to_device(real_rows(scheduled, self.tokens_per_request), hidden.device)
         if features is not None:
-            self.model.features = features[rows.to(features.device)]
+            self.model.features = features[rows]
+        return self.model.project_vocab(hidden[rows])
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         batch = self.builder.derive(inputs)
