@@ -85,9 +85,12 @@ def test_dspark_drafts_are_accepted_and_output_is_unchanged(switched_on, monkeyp
     assert all(o.metrics.num_drafts > 0 for o in drafted)
 
 
-def test_the_drafter_keeps_the_window_before_each_anchor(embedded):
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 16}], ids=["one-step", "chunked"])
+def test_the_drafter_keeps_the_window_before_each_anchor(switched_on, engine_args):
     """After a prefill, a request's context holds the projected features of the last ``window`` positions, each in
-    row ``position % window``; the anchor (the token just sampled) is not among them."""
+    row ``position % window``; the anchor (the token just sampled) is not among them. Chunked: the chunks before
+    the last, whose steps have no request to draft for, count too."""
+    embedded = _embedded(**engine_args)
     ids = torch.load(GOLDEN, weights_only=True)["token_ids"].tolist()
     seen = {}
     drafter = embedded.engine.speculator.drafter

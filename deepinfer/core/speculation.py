@@ -105,8 +105,9 @@ class Speculator:
 
     def draft(self, running: list[Request], computed: list[ComputedRows]) -> None:
         decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0]
-        if not decoding:
+        if not decoding and not computed:
             return
+        # asked even when no request decodes next (a chunk of a long prefill): the drafter keeps what was computed
         drafts = self.drafter.propose(decoding, computed)
         if len(drafts) != len(decoding):
             raise RuntimeError(f"drafter {self.drafter.name} returned {len(drafts)} drafts for {len(decoding)} requests")

@@ -237,8 +237,8 @@ class Drafter(Protocol):
     def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
         """One ``Draft`` per request (``core.request.Request``: its ``token_ids`` end with the token the drafts
         follow; none is pending a value). Called after each step, with what that step computed, for the requests
-        that decode next; an empty draft means no speculation for that request this step. Longer drafts than the
-        engine verifies are cut."""
+        that decode next (none, when a step only prefilled: ``computed`` still matters); an empty draft means no
+        speculation for that request this step. Longer drafts than the engine verifies are cut."""
 
 
 class PrefillTruncation(Protocol):

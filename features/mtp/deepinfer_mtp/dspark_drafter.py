@@ -37,6 +37,8 @@ class DSparkDrafter:
         self._store(computed)
         for key in [k for k, (r, _) in self.contexts.items() if r.finished]:
             del self.contexts[key]
+        if not requests:
+            return []
         device = self.model.embed.weight.device
         contexts = [self._context(r, self.model.embed.weight) for r in requests]
         inputs = DraftInputs(
