@@ -62,7 +62,7 @@ class DSparkDrafter:
         features = self.model.features
         if features is None:
             raise RuntimeError("DSpark drafting needs the target's features from every step, and the last step "
-                               "produced none (did it replay a CUDA graph?)")
+                               "produced none: the model's feature_layers were reset")
         # only the last ``window`` rows of each request can be read again (a long prefill computes many more)
         spans = [(c, max(0, c.count - self.window)) for c in computed]
         index = [torch.arange(c.row + skip, c.row + c.count) for c, skip in spans]
