@@ -2,9 +2,10 @@
 
 Text prompts (drafts are only worth measuring on text a model can predict; random ids would accept nothing):
 the built-in Python snippets, or one prompt per line of ``--prompts-file``, cycled to ``--batch-size``. Each
-batch size runs twice on the same prompts, greedy: ``DEEPINFER_ENABLE_MTP_VARLEN=0`` (no drafter) then ``=1``
-(the installed drafter, e.g. features/mtp's DSpark), after a warm-up of each. Reports decode tokens/s of both,
-the speed-up, vLLM's acceptance counters, and whether the two runs generated the same tokens.
+batch size runs three times on the same prompts, greedy, after a warm-up of each: without drafts
+(``DEEPINFER_ENABLE_MTP_VARLEN`` unset), then with the installed drafter (e.g. features/mtp's DSpark) verifying
+every draft (``=0``, fixed length) and with confidence-scheduled lengths (``=1``). Reports decode tokens/s of
+each, the speed-ups, vLLM's acceptance counters, and whether the runs generated the same tokens.
 """
 
 from __future__ import annotations
@@ -27,16 +28,24 @@ PROMPTS = [
 ]
 
 
-def _run(args, batch: int, prompts: list[str], speculative: bool) -> dict:
+MODES = {"without_drafts": None, "fixed_length": "0", "confidence_scheduled": "1"}
+
+
+def _run(args, batch: int, prompts: list[str], varlen: str | None) -> dict:
     from deepinfer import LLM, SamplingParams, envs
 
-    os.environ["DEEPINFER_ENABLE_MTP_VARLEN"] = "1" if speculative else "0"
+    speculative = varlen is not None
+    if speculative:
+        os.environ["DEEPINFER_ENABLE_MTP_VARLEN"] = varlen
+    else:
+        os.environ.pop("DEEPINFER_ENABLE_MTP_VARLEN", None)
     envs.reload()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch, 1),
               quantization=args.quantization, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype)
     if speculative and llm.engine.speculator is None:
-        raise SystemExit("no drafter serves this model with DEEPINFER_ENABLE_MTP_VARLEN=1 (is features/mtp installed?)")
+        raise SystemExit(f"no drafter serves this model with DEEPINFER_ENABLE_MTP_VARLEN={varlen} (is features/mtp "
+                         "installed?)")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
     stats = llm.engine.speculator.stats if speculative else None
@@ -47,11 +56,14 @@ def _run(args, batch: int, prompts: list[str], speculative: bool) -> dict:
     llm.generate(prompts, one, use_tqdm=False)
     _synchronize()
     prefill = time.perf_counter() - start
+    llm.engine.step_metrics.reset()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     _synchronize()
     elapsed = time.perf_counter() - start
+    metrics = llm.engine.step_metrics
     result = {"decode_tokens_per_second": batch * (args.output_len - 1) / max(elapsed - prefill, 1e-9),
+              "steps": metrics.steps, "per_step_ms": {k: round(v, 3) for k, v in metrics.per_step_ms().items()},
               "token_ids": [o.outputs[0].token_ids for o in outputs]}
     if stats is not None:
         drafts, draft_tokens, accepted = (now - then for now, then in zip(
@@ -78,11 +90,13 @@ def run(args, vocab: int) -> dict:
     results = {}
     for batch in args.batch_sizes:
         prompts = [texts[i % len(texts)] for i in range(batch)]
-        plain, drafted = _run(args, batch, prompts, False), _run(args, batch, prompts, True)
-        same = plain.pop("token_ids") == drafted.pop("token_ids")
+        runs = {name: _run(args, batch, prompts, varlen) for name, varlen in MODES.items()}
+        tokens = [run.pop("token_ids") for run in runs.values()]
+        plain = runs["without_drafts"]["decode_tokens_per_second"]
         results[f"batch_{batch}"] = {
-            "without_drafts": plain, "with_drafts": drafted, "same_tokens": same,
-            "speedup": drafted["decode_tokens_per_second"] / plain["decode_tokens_per_second"]}
+            **runs, "same_tokens": all(t == tokens[0] for t in tokens),
+            "speedup": {name: run["decode_tokens_per_second"] / plain for name, run in runs.items()
+                        if name != "without_drafts"}}
     return results
 
 

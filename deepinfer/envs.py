@@ -60,9 +60,9 @@ class Envs:
         "str", None,
         "Entry-point plugins to load: unset loads all, empty loads none, a comma list loads those names.",
     )
-    DEEPINFER_ENABLE_MTP_VARLEN: bool = _variable(
-        "bool", False, "Speculative decoding: each request verifies the draft prefix its confidence and the step's load "
-        "justify (off: every draft, up to the maximum draft length). Needs the features/mtp plugin.",
+    DEEPINFER_ENABLE_MTP_VARLEN: bool | None = _variable(
+        "bool", None, "Speculative decoding (features/mtp), on when set: `1` verifies per request the draft prefix "
+        "its confidence and the step's load justify, `0` every draft up to the maximum draft length. Unset: off.",
     )
     DEEPINFER_USE_NEXTN_DECODE: int = _variable(
         "int", 5, "Most draft tokens a step verifies per request, when a drafter plugin serves the model.", minimum=1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,31 +43,35 @@ EXACT = dict(quantization="none")
 
 
 def test_draft_logits_and_confidence_match_nemo():
-    """NeMo multiplies dequantized weights without rounding activations to FP8: quantization="none" does too."""
+    """NeMo multiplies dequantized weights without rounding activations to FP8: quantization="none" does too. The
+    golden ran on a CPU; a GPU sums in another order, and a last-bit difference that crosses an FP8 rounding
+    boundary of the context keys (a 6% step in one element) moves the logits further, hence its looser bound."""
     golden = torch.load(GOLDEN, weights_only=True)
     ids = golden["token_ids"].tolist()
     llm = _embedded(quantization="none")
     llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # one prefill step
     model = llm.engine.model
+    golden = {name: t.to(model.embed.weight.device) for name, t in golden.items()}
     drafter = llm.engine.speculator.drafter
     features = model.features
+    bound = 1e-4 if features.device.type == "cpu" else 1e-3
     assert (features - golden["features"]).abs().max() <= 1e-4 * golden["features"].abs().max()
     window = model.config.window
     contexts, positions = [], []
     for anchor in golden["anchors"].tolist():  # the window before each anchor, in ring order (row p % window)
-        seen = torch.arange(max(0, anchor - window), anchor)
-        rows = torch.zeros(window, model.config.hidden_size)
+        seen = torch.arange(max(0, anchor - window), anchor, device=features.device)
+        rows = features.new_zeros(window, model.config.hidden_size)
         rows[seen % window] = drafter.draft.project_context(features[seen])
         contexts.append(rows)
-        positions.append(torch.full((window,), -1, dtype=torch.int64).index_put_((seen % window,), seen))
+        positions.append(torch.full((window,), -1, device=seen.device).index_put_((seen % window,), seen))
     anchors = golden["anchors"]
     inputs = DraftInputs(golden["token_ids"][anchors], anchors, torch.stack(contexts), torch.stack(positions))
-    heads = drafter.draft(inputs, model.embed, model.head)
+    heads = drafter.draft(inputs, model.embed)
     for position in range(drafter.draft.block_size):
-        logits, confidence = drafter.draft.markov(golden["previous"][:, position], heads, position)
+        logits, confidence = drafter.draft.markov(golden["previous"][:, position], heads, position, model.head)
         expected = golden["draft_logits"][:, position]
-        assert (logits - expected).abs().max() <= 1e-4 * expected.abs().max(), position
-        assert torch.allclose(confidence, torch.sigmoid(golden["confidence_logits"][:, position]), atol=1e-5)
+        assert (logits - expected).abs().max() <= bound * expected.abs().max(), position
+        assert torch.allclose(confidence, torch.sigmoid(golden["confidence_logits"][:, position]), atol=bound / 10)
 
 
 def test_dspark_drafts_are_accepted_and_output_is_unchanged(switched_on, monkeypatch):
@@ -75,7 +80,7 @@ def test_dspark_drafts_are_accepted_and_output_is_unchanged(switched_on, monkeyp
     prompts = ["def fibonacci(n):", "import os\n", '"""Return the']
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     drafted_llm = _embedded(**EXACT)
-    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
     envs.reload()
     plain = LLM("deepinfer-tiny-v4.1", dtype="float32", **EXACT).generate(prompts, params, use_tqdm=False)
     drafted = drafted_llm.generate(prompts, params, use_tqdm=False)
@@ -98,16 +103,16 @@ def test_the_drafter_keeps_the_window_before_each_anchor(switched_on, engine_arg
 
     def spy(requests, computed):
         drafts = propose(requests, computed)
-        seen.update({len(r.token_ids): drafter.contexts[id(r)][1] for r in requests})
+        seen.update({len(r.token_ids): [t.cpu() for t in drafter.pool.view(r)] for r in requests})
         return drafts
 
     drafter.propose = spy
     embedded.generate([ids], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     window = embedded.engine.model.config.window
-    context = seen[len(ids) + 1]  # after the prefill: the anchor is the first sampled token, at position len(ids)
+    rows, positions = seen[len(ids) + 1]  # after the prefill: the anchor is the first sampled token, at len(ids)
     expected = torch.arange(len(ids) - window, len(ids))
-    assert torch.equal(context.positions[expected % window], expected)
-    assert context.rows.abs().sum(-1).gt(0).all()
+    assert torch.equal(positions[expected % window], expected)
+    assert rows.abs().sum(-1).gt(0).all()
 
 
 def test_stages_load_from_the_checkpoint_in_its_formats(embedded):
@@ -119,17 +124,36 @@ def test_stages_load_from_the_checkpoint_in_its_formats(embedded):
 
 
 def test_dspark_is_off_unless_switched_on(monkeypatch):
-    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
     envs.reload()
     assert _embedded().engine.speculator is None
 
 
-def test_models_without_dspark_stages_are_refused(tiny_v4_checkpoint, tmp_path):
-    """DEEPINFER_ENABLE_MTP_VARLEN=1 asks for drafts: a V4 model, a V4.1 checkpoint without stages and dummy
-    weights each get an error naming why, not a run without speculation."""
+def test_fixed_length_verifies_every_draft_and_varlen_fewer(monkeypatch):
+    """DEEPINFER_ENABLE_MTP_VARLEN=0 verifies every draft up to the maximum draft length (DEEPINFER_USE_NEXTN_DECODE,
+    here 3); =1 cuts each draft where its confidence-estimated survival drops below the floor, so it verifies
+    fewer draft tokens per draft on the same prompts. Output is identical either way."""
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    prompts = ["def fibonacci(n):", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for varlen in ("0", "1"):
+        monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", varlen)
+        envs.reload()
+        llm = _embedded(**EXACT)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs[varlen] = ([o.outputs[0].token_ids for o in outputs], llm.engine.speculator.stats)
+    fixed, varlen = runs["0"][1], runs["1"][1]
+    assert runs["0"][0] == runs["1"][0]
+    # a step verifies 3 drafts unless max_tokens leaves less room (the last steps of each request)
+    assert fixed.num_draft_tokens >= 3 * fixed.num_drafts - 2 * len(prompts) * 3
+    assert fixed.num_draft_tokens / fixed.num_drafts > varlen.num_draft_tokens / varlen.num_drafts
+
+
+def test_models_without_dspark_stages_are_refused(tmp_path):
+    """DEEPINFER_ENABLE_MTP_VARLEN=1 asks for drafts: a V4.1 checkpoint without stages and dummy weights each get
+    an error naming why, not a run without speculation (V4 checkpoints: tests/test_mtp.py)."""
     with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
-        with pytest.raises(PluginError, match="classic MTP for the V4 family is not built yet"):
-            LLM(str(tiny_v4_checkpoint), dtype="float32")
         with pytest.raises(PluginError, match="load_format='dummy'"):
             LLM("deepinfer-tiny-v4.1", dtype="float32", load_format="dummy")
         config = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
@@ -143,16 +167,21 @@ def test_models_without_dspark_stages_are_refused(tiny_v4_checkpoint, tmp_path):
 def test_bench_speculative_reports_both_runs_and_acceptance(tmp_path, monkeypatch):
     from deepinfer.cli import main
 
-    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")  # the command sets it per run; restored after
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")  # the command sets it per run; restored after
     out = tmp_path / "speculative.json"
     with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
         main(["bench", "speculative", "--model", "deepinfer-tiny-v4.1", "--batch-sizes", "2", "--output-len", "12",
               "--quantization", "none", "--output-json", str(out)])
     result = json.loads(out.read_text())["batch_2"]
-    assert result["same_tokens"] and result["speedup"] > 0
-    drafted = result["with_drafts"]
-    assert drafted["drafts"] > 0 and drafted["mean_acceptance_length"] == 1 + drafted["accepted_tokens"] / drafted["drafts"]
-    assert len(drafted["acceptance_rate_by_position"]) >= 1
+    assert result["same_tokens"] and set(result["speedup"]) == {"fixed_length", "confidence_scheduled"}
+    for mode in ("fixed_length", "confidence_scheduled"):
+        drafted = result[mode]
+        assert result["speedup"][mode] > 0 and drafted["drafts"] > 0
+        assert drafted["mean_acceptance_length"] == 1 + drafted["accepted_tokens"] / drafted["drafts"]
+        assert len(drafted["acceptance_rate_by_position"]) >= 1
+        assert drafted["per_step_ms"]["draft"] > 0  # the drafter's time per step, reported apart
+    assert result["without_drafts"]["per_step_ms"]["draft"] == 0
+    assert result["fixed_length"]["draft_tokens"] > result["confidence_scheduled"]["draft_tokens"]
 
 
 def test_drafting_from_padded_graph_steps_matches_eager_steps():
@@ -173,3 +202,34 @@ def test_drafting_from_padded_graph_steps_matches_eager_steps():
     ours, theirs = engine.speculator.stats, eager.engine.speculator.stats
     assert (ours.num_drafts, ours.num_draft_tokens, ours.num_accepted_tokens) == (
         theirs.num_drafts, theirs.num_draft_tokens, theirs.num_accepted_tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_draft_pass_replays_from_cuda_graphs_as_it_runs_eagerly():
+    """Where decode steps replay CUDA graphs, the draft pass does too: the same drafts as an eager pass over the
+    same padded inputs, and the same output as a run without graphs."""
+    prompts = ["def fibonacci(n):", "import os\n", '"""Return the']
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
+    nvidia = pytest.importorskip("deepinfer_nvidia.plugin")
+    with registered(nvidia, "nvidia"):
+        llm = _embedded(**EXACT)
+        eager = _embedded(enforce_eager=True, **EXACT).generate(prompts, params, use_tqdm=False)
+    drafter = llm.engine.speculator.drafter
+    assert llm.engine.graphs is not None and drafter.graphs is not None
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in eager]
+    assert drafter.graphs.graphs, "no draft pass was captured"
+    batch = 3
+    size = next(s for s in drafter.graphs.sizes if s >= batch)
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.stack([torch.randint(0, llm.engine.model_config.vocab_size, (batch,), generator=g),
+                          torch.randint(8, 40, (batch,), generator=g), torch.tensor([0, 1, 2])])
+    padded = torch.zeros(3, size, dtype=torch.int64)
+    padded[2] = drafter.pool.empty
+    padded[:, :batch] = inputs
+    with torch.inference_mode():  # as the engine runs it: the pool and the graph's inputs are inference tensors
+        replayed = [t.clone() for t in drafter.graphs(inputs)]
+        eager_tokens, eager_confidences = drafter._draft(padded.cuda())
+    assert torch.equal(replayed[0], eager_tokens[:batch])
+    assert torch.equal(replayed[1], eager_confidences[:batch])

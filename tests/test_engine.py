@@ -191,6 +191,7 @@ def test_bad_input_errors_name_the_problem(llm, tiny_v4_checkpoint):
     "variable, value, distribution",
     [
         ("DEEPINFER_ENABLE_MTP_VARLEN", "1", "deepinfer-mtp"),
+        ("DEEPINFER_ENABLE_MTP_VARLEN", "0", "deepinfer-mtp"),  # fixed-length speculation: still needs the plugin
         ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact", "deepinfer-swa-replay"),
         ("DEEPINFER_BATCH_INVARIANT", "1", "deepinfer-batch-invariant"),
     ],

@@ -128,10 +128,11 @@ if has large; then
     latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
     latency prefill8192 --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --compare-hf
 fi
-if has spec; then  # issue 8: DSpark drafts on the embedded model (eager verification steps for now)
+if has spec; then  # issue 8: DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
     stamp "speculative"
     timeout 400 "${bench[@]}" speculative --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-sizes 1 32 \
-        --output-len 128 --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|speedup|mean_acceptance" | head -8
+        --output-len 128 --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
+    python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in ('without_drafts', 'fixed_length', 'confidence_scheduled')]" "$out/speculative.json"
 fi
 if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null

@@ -91,6 +91,7 @@ class DecodeGraphs:
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape)
         if not self.capture:
+            inputs = inputs.to(self.builder.device)
             before_launch(inputs.token_ids)
             hidden = self._forward(inputs)
             return self._real_rows(scheduled, hidden, getattr(self.model, "features", None))

@@ -160,6 +160,9 @@ class LLMEngine:
                                        tokens_per_request=rows)
             logger.info("decode steps of up to %d requests replay CUDA graphs (enforce_eager=True turns them off)",
                         self.graphs.sizes[-1])
+            drafter = self.speculator.drafter if self.speculator is not None else None
+            if hasattr(drafter, "use_cuda_graphs"):
+                drafter.use_cuda_graphs(self.graphs.sizes)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -269,6 +272,7 @@ class LLMEngine:
             self.scheduler.finish(request)
         self._clock.lap("outputs")
         self.speculator.draft(self.scheduler.running, kept)
+        self._clock.lap("draft")
         return finished
 
     def _needs_host_tokens(self, scheduled) -> bool:

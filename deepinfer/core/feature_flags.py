@@ -13,7 +13,7 @@ from deepinfer.plugins.manager import pm
 
 # variable -> (is it switched on?, plugin name the distribution registers, distribution, folder)
 _FEATURES = {
-    "DEEPINFER_ENABLE_MTP_VARLEN": (bool, "mtp", "deepinfer-mtp", "features/mtp"),
+    "DEEPINFER_ENABLE_MTP_VARLEN": (lambda varlen: varlen is not None, "mtp", "deepinfer-mtp", "features/mtp"),
     "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": (lambda mode: mode != "off", "swa_replay", "deepinfer-swa-replay", "features/swa_replay"),
     "DEEPINFER_BATCH_INVARIANT": (bool, "batch_invariant", "deepinfer-batch-invariant", "features/batch_invariant"),
 }

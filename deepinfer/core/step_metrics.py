@@ -13,8 +13,9 @@ class StepMetrics:
     """Seconds summed over ``steps``. Host phases are wall times of the engine's own code: ``schedule``,
     ``prepare`` (building the step's inputs and starting their copy to the device), ``forward`` (launching the
     forward pass and the head; on a CPU, running them), ``sample`` (launching the sampler), ``wait`` (blocked until
-    the device has sampled tokens: the previous step's, with asynchronous scheduling) and ``outputs``
-    (detokenizing, stop checks). ``device`` is the GPU time from the forward pass's first kernel to the sampler's
+    the device has sampled tokens: the previous step's, with asynchronous scheduling), ``outputs``
+    (detokenizing, stop checks) and ``draft`` (speculative decoding: the drafter's pass, until its tokens are on
+    the host; a verification step's ``sample`` includes waiting for the device). ``device`` is the GPU time from the forward pass's first kernel to the sampler's
     last (CUDA events; only for steps that sample); with asynchronous scheduling it includes the time the step
     queued behind the previous one. Device idle time itself is measured by ``tools/profile_decode.py --graphs``."""
 
@@ -25,6 +26,7 @@ class StepMetrics:
     sample: float = 0.0
     wait: float = 0.0
     outputs: float = 0.0
+    draft: float = 0.0
     device: float = 0.0
 
     def reset(self) -> None:

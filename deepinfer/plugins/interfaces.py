@@ -240,6 +240,9 @@ class Drafter(Protocol):
         that decode next (none, when a step only prefilled: ``computed`` still matters); an empty draft means no
         speculation for that request this step. Longer drafts than the engine verifies are cut."""
 
+    # Optional: ``use_cuda_graphs(batch_sizes: list[int]) -> None``, called once when the engine replays decode
+    # steps from CUDA graphs of these padded batch sizes, so a drafter may capture its own pass likewise.
+
 
 class PrefillTruncation(Protocol):
     name: str

@@ -120,3 +120,36 @@ def _drop_generation_defaults(out: Path) -> None:
         data = json.loads(path.read_text())
         data.pop("transformers_version", None)
         path.write_text(json.dumps(data, indent=2))
+
+
+def add_mtp_layer(out_dir: str | Path, seed: int = 1) -> Path:
+    """Give a tiny V4 checkpoint written by ``build_tiny_v4`` a random classic MTP layer (``mtp.0.*``, DeepSeek's
+    names, one tensor per expert) and ``num_nextn_predict_layers: 1``. HF transformers has no MTP layer, so the
+    tensors come from DeepInfer's own module."""
+    from safetensors.torch import load_file, save_file
+    from torch import nn
+
+    from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, inv_freq
+    from deepinfer.models.deepseek_v4.layers import Rotary
+    from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from deepinfer.models.deepseek_v4.mtp import MTPLayer
+
+    out = Path(out_dir)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    c = DeepseekV4ModelConfig.from_dict(config)
+    layer = MTPLayer(c, Rotary(inv_freq(c, compressed=False), None), None, None, None)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(out / "model.safetensors")
+    for path, tensor in layer.state_dict().items():
+        name = "mtp.0." + DeepseekV4ForCausalLM.checkpoint_name(path)
+        value = _draw(name, tensor.float(), c, generator)
+        if ".ffn.experts." in name:  # stacked [E, ...] here, one tensor per expert in checkpoints
+            prefix, leaf = name.rsplit(".experts.", 1)
+            tensors.update({f"{prefix}.experts.{e}.{leaf}": value[e].contiguous() for e in range(value.shape[0])})
+        else:
+            tensors[name] = value.contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
+    return out

@@ -108,12 +108,22 @@ class Attention(nn.Module):
             pooled = self.rotary.apply(pooled, meta.close_phases)
             self.backend.store_rows(entries, meta.close_slots, pooled)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, phases, caches) -> torch.Tensor:
-        num_tokens = x.shape[0]
+    def queries(self, x: torch.Tensor, phases) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotated per-head queries [T, H, D] and the low-rank query rows the indexer reads."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim)
-        q = self.rotary.apply(unweighted_rms_norm(q, self.eps), phases)
-        kv = self.rotary.apply(self.kv_norm(self.wkv(x)), phases)
+        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
+        return self.rotary.apply(unweighted_rms_norm(q, self.eps), phases), qr
+
+    def keys(self, x: torch.Tensor, phases) -> torch.Tensor:
+        """The window rows [T, D] of ``x`` (keys and values at once)."""
+        return self.rotary.apply(self.kv_norm(self.wkv(x)), phases)
+
+    def output(self, o: torch.Tensor, phases) -> torch.Tensor:
+        return grouped_output(self.rotary.apply(o, phases, inverse=True), self.wo_a, self.wo_b, self.o_groups)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, phases, caches) -> torch.Tensor:
+        q, qr = self.queries(x, phases)
+        kv = self.keys(x, phases)
 
         raw = caches.pool("swa", "kv", self.layer_id)
         self.backend.store_rows(raw, batch.swa_slots, kv)
@@ -132,6 +142,4 @@ class Attention(nn.Module):
                 self._compress(self.indexer.compressor, x, batch.positions, meta, key_state, keys)
                 sources.append((entries, self.indexer(x, qr, phases, keys, meta, self.backend)))
 
-        o = self.backend.sparse_attention(q, sources, self.attn_sink, self.scale)
-        o = self.rotary.apply(o, phases, inverse=True)
-        return grouped_output(o, self.wo_a, self.wo_b, self.o_groups)
+        return self.output(self.backend.sparse_attention(q, sources, self.attn_sink, self.scale), phases)

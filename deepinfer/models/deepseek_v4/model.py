@@ -24,6 +24,10 @@ _FP32_SUFFIXES = ("norm.weight", "attn_sink", "ape", "gate.bias", ".gate.weight"
 _HC_NAMES = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 
 
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) is not None
+
+
 class Block(nn.Module):
     def __init__(self, config: DeepseekV4ModelConfig, layer_id: int, rotary: Rotary, attention: AttentionBackend,
                  moe: MoEBackend, mhc: MHCBackend):
@@ -63,7 +67,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        cast_floating(self, dtype, lambda name: name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) is not None)
+        # a drafter (classic MTP) asks for the final streams of every token: ``features`` [T, hc_mult * hidden]
+        self.keep_features = False
+        self.features: torch.Tensor | None = None
+        cast_floating(self, dtype, keeps_fp32)
         self.requires_grad_(False)
 
     # -- weights ------------------------------------------------------------------------------
@@ -120,6 +127,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         for layer in self.layers:
             streams = layer(streams, batch, phases[layer.attn.rotary], caches)
+        self.features = streams.flatten(1) if self.keep_features else None
         return streams
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:

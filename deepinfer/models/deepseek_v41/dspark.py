@@ -45,10 +45,9 @@ class DraftInputs:
 
 @dataclasses.dataclass(slots=True)
 class DraftHeads:
-    """The last stage's outputs for every block position [B, D, ...], before the Markov bias of any token."""
+    """The last stage's output for every block position, before any token's Markov bias."""
 
-    base_logits: torch.Tensor  # [B, D, vocab] fp32
-    normalized: torch.Tensor  # [B, D, hidden] fp32, what the confidence head reads
+    normalized: torch.Tensor  # [B, D, hidden] fp32: what the vocabulary head and the confidence head read
 
 
 class DSparkStage(nn.Module):
@@ -126,7 +125,7 @@ class DSparkDraft(nn.Module):
         first = self.layers[0]
         return first.main_norm(first.main_proj(features.to(first.main_proj.weight.dtype)))
 
-    def forward(self, inputs: DraftInputs, embed: nn.Embedding, head: nn.Linear) -> DraftHeads:
+    def forward(self, inputs: DraftInputs, embed: nn.Embedding) -> DraftHeads:
         batch, width = inputs.context_positions.shape
         d = self.block_size
         device = inputs.anchors.device
@@ -145,9 +144,7 @@ class DSparkDraft(nn.Module):
         for stage in self.layers:
             streams, pre = stage(streams, pre, stage.keys(context, context_phases), index, phases)
         last = self.layers[-1]
-        normalized = last.norm(self.mhc.collapse(streams, pre)).float()
-        base = F.linear(normalized, head.weight.float())
-        return DraftHeads(base.view(batch, d, -1), normalized.view(batch, d, -1))
+        return DraftHeads(last.norm(self.mhc.collapse(streams, pre)).float().view(batch, d, -1))
 
     def _index(self, inputs: DraftInputs, batch: int, width: int, d: int) -> torch.Tensor:
         """[B * D, W + D] rows each query reads: its request's visible context rows, then its block's rows."""
@@ -158,13 +155,17 @@ class DSparkDraft(nn.Module):
         context_rows = torch.where(visible, context_rows, -1)
         block_rows = batch * width + torch.arange(batch * d, device=device).view(batch, d)
         per_request = torch.cat([context_rows, block_rows], dim=1)  # [B, W + D]
-        return per_request.repeat_interleave(d, dim=0)
+        return per_request.unsqueeze(1).expand(-1, d, -1).reshape(batch * d, -1)
 
-    def markov(self, previous: torch.Tensor, heads: DraftHeads, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, vocab] and acceptance confidence [B] at block ``position``, given the token before it."""
+    def markov(self, previous: torch.Tensor, heads: DraftHeads, position: int,
+               head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, vocab] and acceptance confidence [B] at block ``position``, given the token before it;
+        ``head`` is the target's vocabulary projection (one position at a time: no [B, D, vocab] buffer)."""
         last = self.layers[-1]
+        normalized = heads.normalized[:, position]
         embedding = last.markov_head.embed(previous)
-        logits = heads.base_logits[:, position] + F.linear(embedding.float(), last.markov_head.head.weight.float())
-        features = torch.cat([heads.normalized[:, position], embedding.float()], dim=-1)
+        logits = (F.linear(normalized, head.weight.float())
+                  + F.linear(embedding.float(), last.markov_head.head.weight.float()))
+        features = torch.cat([normalized, embedding.float()], dim=-1)
         confidence = torch.sigmoid(F.linear(features, last.confidence_head.proj.weight.float())).squeeze(-1)
         return logits, confidence

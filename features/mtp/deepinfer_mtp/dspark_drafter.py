@@ -1,61 +1,62 @@
 """Drafting with DSpark: each request keeps the draft's context (its last ``window`` projected target features),
-and after every step one draft pass proposes a block of tokens for every request that decodes next."""
+and after every step one draft pass proposes a block of tokens for every request that decodes next.
+
+The contexts live in one device pool, a slot per request (``ContextPool``), so a draft pass reads them by slot
+index: its inputs are three integers per request, and where the engine replays CUDA graphs the whole pass (the
+stages, the Markov loop, the confidences) replays as one graph per batch size (``DraftGraphs``).
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from deepinfer.models.deepseek_v41.dspark import DraftInputs, DSparkDraft
 from deepinfer.plugins.interfaces import ComputedRows, Draft
-
-
-@dataclass(slots=True)
-class _Context:
-    """A ring of projected features: position ``p`` lives in row ``p % window`` (``positions`` -1: empty)."""
-
-    rows: torch.Tensor  # [window, hidden]
-    positions: torch.Tensor  # [window] int64
-
-    def write(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        slots = positions % self.rows.shape[0]
-        self.rows[slots] = rows
-        self.positions[slots] = positions
+from deepinfer_mtp.context_pool import ContextPool
+from deepinfer_mtp.draft_graphs import DraftGraphs
 
 
 class DSparkDrafter:
     name = "dspark"
 
-    def __init__(self, model, draft: DSparkDraft):
+    def __init__(self, model, draft: DSparkDraft, max_requests: int):
         self.model, self.draft = model, draft
-        self.window = model.config.window
-        self.contexts: dict[int, tuple[object, _Context]] = {}  # id(request) -> (request, its context)
+        self.device = model.embed.weight.device
+        first = draft.layers[0].main_proj.weight
+        self.pool = ContextPool(max_requests, model.config.window, model.config.hidden_size, first.dtype, self.device)
+        self.graphs: DraftGraphs | None = None
         model.feature_layers = draft.target_layers  # the target's forward keeps these layers' inputs
+
+    def use_cuda_graphs(self, batch_sizes: list[int]) -> None:
+        """The engine replays its decode steps from CUDA graphs: replay the draft pass from graphs too."""
+        self.graphs = DraftGraphs(self._draft, batch_sizes, self.pool.empty, self.device)
 
     def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
         self._store(computed)
-        for key in [k for k, (r, _) in self.contexts.items() if r.finished]:
-            del self.contexts[key]
+        self.pool.release_finished()
         if not requests:
             return []
-        device = self.model.embed.weight.device
-        contexts = [self._context(r, self.model.embed.weight) for r in requests]
-        inputs = DraftInputs(
-            anchors=torch.tensor([r.token_ids[-1] for r in requests], device=device),
-            positions=torch.tensor([len(r.token_ids) - 1 for r in requests], device=device),
-            context=torch.stack([c.rows for c in contexts]),
-            context_positions=torch.stack([c.positions for c in contexts]),
-        )
-        heads = self.draft(inputs, self.model.embed, self.model.head)
-        previous, tokens, confidences = inputs.anchors, [], []
-        for position in range(self.draft.block_size):  # left to right: the Markov head reads the token before
-            logits, confidence = self.draft.markov(previous, heads, position)
+        inputs = torch.tensor([[r.token_ids[-1] for r in requests], [len(r.token_ids) - 1 for r in requests],
+                               [self.pool.slot(r) for r in requests]], dtype=torch.int64)
+        if self.graphs is not None and self.graphs.fits(len(requests)):
+            tokens, confidences = self.graphs(inputs)
+        else:
+            tokens, confidences = self._draft(inputs.to(self.device))
+        return [Draft(t, c) for t, c in zip(tokens.tolist(), confidences.tolist())]
+
+    def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and confidences [B, block] for ``inputs`` [3, B] (anchor ids, their positions, context slots);
+        no host synchronisation, so a graph can hold it."""
+        anchors, positions, slots = inputs
+        draft, model = self.draft, self.model
+        heads = draft(DraftInputs(anchors, positions, self.pool.rows[slots], self.pool.positions[slots]), model.embed)
+        previous, tokens, confidences = anchors, [], []
+        for position in range(draft.block_size):  # left to right: the Markov head reads the token before
+            logits, confidence = draft.markov(previous, heads, position, model.head)
             previous = logits.argmax(dim=-1)
             tokens.append(previous)
             confidences.append(confidence)
-        tokens, confidences = torch.stack(tokens, 1).tolist(), torch.stack(confidences, 1).tolist()
-        return [Draft(t, c) for t, c in zip(tokens, confidences)]
+        return torch.stack(tokens, 1), torch.stack(confidences, 1)
 
     def _store(self, computed: list[ComputedRows]) -> None:
         """The kept rows of the last step into each request's context (projected once, all requests together)."""
@@ -64,22 +65,14 @@ class DSparkDrafter:
             raise RuntimeError("DSpark drafting needs the target's features from every step, and the last step "
                                "produced none: the model's feature_layers were reset")
         # only the last ``window`` rows of each request can be read again (a long prefill computes many more)
-        spans = [(c, max(0, c.count - self.window)) for c in computed]
-        index = [torch.arange(c.row + skip, c.row + c.count) for c, skip in spans]
-        if not index or not sum(len(i) for i in index):
+        window = self.pool.window
+        rows, positions, slots = [], [], []
+        for c in computed:
+            skip = max(0, c.count - window)
+            rows.append(torch.arange(c.row + skip, c.row + c.count))
+            positions.append(torch.arange(c.position + skip, c.position + c.count))
+            slots.append(torch.full((c.count - skip,), self.pool.slot(c.request)))
+        if not rows or not sum(len(r) for r in rows):
             return
-        projected = self.draft.project_context(features[torch.cat(index).to(features.device)])
-        first = 0
-        for c, skip in spans:
-            count = c.count - skip
-            positions = torch.arange(c.position + skip, c.position + c.count, device=projected.device)
-            self._context(c.request, projected).write(positions, projected[first:first + count])
-            first += count
-
-    def _context(self, request, like: torch.Tensor) -> _Context:
-        entry = self.contexts.get(id(request))
-        if entry is None or entry[0] is not request:
-            context = _Context(like.new_zeros(self.window, like.shape[-1]),
-                               torch.full((self.window,), -1, dtype=torch.int64, device=like.device))
-            entry = self.contexts[id(request)] = (request, context)
-        return entry[1]
+        index = torch.stack([torch.cat(rows), torch.cat(positions), torch.cat(slots)]).to(self.device)
+        self.pool.write(index[2], index[1], self.draft.project_context(features[index[0]]))

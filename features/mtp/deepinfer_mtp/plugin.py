@@ -1,4 +1,5 @@
-"""The ``deepinfer_drafter`` hook: a DSpark drafter for DeepSeek-V4.1 checkpoints that ship draft stages."""
+"""The ``deepinfer_drafter`` hook: DSpark drafts for DeepSeek-V4.1 checkpoints that ship draft stages, classic MTP
+drafts for DeepSeek-V4 checkpoints that ship an MTP layer."""
 
 from __future__ import annotations
 
@@ -7,40 +8,79 @@ import torch
 from deepinfer import envs
 from deepinfer.core.linear import cast_floating
 from deepinfer.core.model_source import resolve_model_dir
+from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
+from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v4.model import keeps_fp32 as v4_keeps_fp32
+from deepinfer.models.deepseek_v4.mtp import MTPLayer
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDraft
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM, keeps_fp32
 from deepinfer.models.loader import load_part
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer_mtp.dspark_drafter import DSparkDrafter
+from deepinfer_mtp.mtp_drafter import MTPDrafter
+
 
 def _draft_stage_name(name: str) -> str | None:
     """Checkpoint ``mtp.{i}.*`` read as the draft's ``layers.{i}.*``; every other tensor skipped."""
     return "layers." + name.removeprefix("mtp.") if name.startswith("mtp.") else None
 
 
+def _mtp_layer_name(name: str) -> str | None:
+    """Checkpoint ``mtp.0.*`` read as ``layers.0.*`` (per-expert tensors are named under ``layers.{i}``); every
+    other tensor skipped (the reference uses the first MTP layer only)."""
+    return "layers.0." + name.removeprefix("mtp.0.") if name.startswith("mtp.0.") else None
+
+
 @hookimpl
 def deepinfer_drafter(config, model):
-    if not envs.get().DEEPINFER_ENABLE_MTP_VARLEN:  # the spec's switch for DSpark drafting and its verification
+    varlen = envs.get().DEEPINFER_ENABLE_MTP_VARLEN
+    if varlen is None:  # unset: no speculative decoding (1: confidence-scheduled lengths, 0: fixed length)
         return None
+    switch = f"DEEPINFER_ENABLE_MTP_VARLEN={int(varlen)}"
     c = getattr(model, "config", None)
-    # DEEPINFER_ENABLE_MTP_VARLEN=1 asks for DSpark drafts: a model that cannot have them is an error, not a
-    # silent run without speculation
-    if not isinstance(c, DeepseekV41ModelConfig):
-        raise ValueError("DEEPINFER_ENABLE_MTP_VARLEN=1: DSpark drafts serve DeepSeek-V4.1 checkpoints; classic MTP "
-                         "for the V4 family is not built yet. Unset it for this model")
-    if not c.num_nextn_predict_layers or not c.dspark:
-        raise ValueError("DEEPINFER_ENABLE_MTP_VARLEN=1: this checkpoint has no DSpark draft stages "
-                         "(num_nextn_predict_layers is 0). Unset it for this model")
+    # the switch asks for drafts: a model that cannot have them is an error, not a silent run without speculation
+    if isinstance(c, DeepseekV41ModelConfig):
+        return _dspark(config, model, c, switch)
+    if isinstance(c, DeepseekV4ModelConfig):
+        return _mtp(config, model, c, switch)
+    raise ValueError(f"{switch}: drafts serve DeepSeek-V4 (classic MTP) and V4.1 (DSpark) models, not "
+                     f"{type(model).__name__}. Unset it for this model")
+
+
+def _refuse_dummy(config, switch: str) -> None:
     if config.load_format == "dummy":
-        raise ValueError("DEEPINFER_ENABLE_MTP_VARLEN=1 with load_format='dummy': random draft stages would draft "
-                         "nothing useful. Load real weights or unset it")
-    device = model.embed.weight.device
+        raise ValueError(f"{switch} with load_format='dummy': random draft weights would draft nothing useful. "
+                         "Load real weights or unset it")
+
+
+def _dspark(config, model, c: DeepseekV41ModelConfig, switch: str) -> DSparkDrafter:
+    if not c.num_nextn_predict_layers or not c.dspark:
+        raise ValueError(f"{switch}: this checkpoint has no DSpark draft stages (num_nextn_predict_layers is 0). "
+                         "Unset it for this model")
+    _refuse_dummy(config, switch)
     backends = model.backends
     with torch.device("meta"):
         draft = DSparkDraft(c, model.rotary_main, backends.attention, backends.moe, backends.mhc)
     cast_floating(draft, model.dtype, keeps_fp32)
     load_part(draft, c, resolve_model_dir(config.model), DeepseekV41ForCausalLM.checkpoint_name, _draft_stage_name,
-              backends.linear, device, config.quantization)
+              backends.linear, model.embed.weight.device, config.quantization)
     draft.requires_grad_(False)
-    return DSparkDrafter(model, draft)
+    return DSparkDrafter(model, draft, config.max_num_seqs)
+
+
+def _mtp(config, model, c: DeepseekV4ModelConfig, switch: str) -> MTPDrafter:
+    if not c.num_nextn_predict_layers:
+        raise ValueError(f"{switch}: this checkpoint has no MTP layer (num_nextn_predict_layers is 0). Unset it "
+                         "for this model")
+    _refuse_dummy(config, switch)
+    backends = model.backends
+    holder = torch.nn.Module()
+    with torch.device("meta"):
+        holder.layers = torch.nn.ModuleList([MTPLayer(c, model.rotary_main, backends.attention, backends.moe,
+                                                      backends.mhc)])
+    cast_floating(holder, model.dtype, v4_keeps_fp32)
+    load_part(holder, c, resolve_model_dir(config.model), DeepseekV4ForCausalLM.checkpoint_name, _mtp_layer_name,
+              backends.linear, model.embed.weight.device, config.quantization)
+    holder.requires_grad_(False)
+    return MTPDrafter(model, holder.layers[0], config.max_num_seqs, envs.get().DEEPINFER_USE_NEXTN_DECODE)

@@ -1,0 +1,62 @@
+"""A drafter's pass replayed from CUDA graphs, one per padded batch size, like the engine's decode steps."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # [3, batch]: anchors, positions, slots (static, on the device)
+    outputs: tuple[torch.Tensor, ...]  # each [batch, ...]
+
+
+class DraftGraphs:
+    """A draft pass ``run(inputs [3, B]: anchor ids, positions, slots) -> tensors [B, ...]`` captured per padded
+    batch size, the first time each comes up (after an eager run of the same inputs, which tunes the Triton
+    kernels outside the capture); padding rows use the pool's empty slot."""
+
+    def __init__(self, run, sizes: list[int], empty_slot: int, device: torch.device):
+        self.run, self.sizes, self.empty_slot, self.device = run, sizes, empty_slot, device
+        self.graphs: dict[int, _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    def __call__(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch = inputs.shape[1]
+        size = next(s for s in self.sizes if s >= batch)
+        padded = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
+        padded[2] = self.empty_slot
+        padded[:, :batch] = inputs
+        captured = self.graphs.get(size)
+        if captured is None:
+            captured = self.graphs[size] = self._capture(padded)
+        else:
+            captured.inputs.copy_(padded, non_blocking=True)
+        captured.graph.replay()
+        return tuple(t[:batch] for t in captured.outputs)
+
+    def _capture(self, host_inputs: torch.Tensor) -> _Captured:
+        start = time.perf_counter()
+        inputs = host_inputs.to(self.device)
+        self.run(inputs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.run(inputs)
+        except RuntimeError as exc:
+            raise RuntimeError(f"capturing the draft pass (batch {inputs.shape[1]}) failed: {exc}. Pass "
+                               "enforce_eager=True to run it eagerly, and report it") from exc
+        logger.info("captured a draft CUDA graph: batch %d, in %.2f s", inputs.shape[1], time.perf_counter() - start)
+        return _Captured(graph, inputs, outputs)

@@ -1,0 +1,93 @@
+"""Drafting with DeepSeek-V4's classic MTP layer: after every step, the layer's window rows for the positions the
+target computed (``ContextPool``, one slot per request), then a chain of ``num_drafts`` passes per decoding
+request, each feeding the layer its own output streams and the token it just drafted (as vLLM and SGLang reuse
+the one layer for longer drafts). The chain replays from CUDA graphs where the engine's decode steps do."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.models.deepseek_v4.mtp import MTPLayer
+from deepinfer.plugins.interfaces import ComputedRows, Draft
+from deepinfer_mtp.context_pool import ContextPool
+from deepinfer_mtp.draft_graphs import DraftGraphs
+
+
+class MTPDrafter:
+    name = "mtp"
+
+    def __init__(self, model, layer: MTPLayer, max_requests: int, num_drafts: int):
+        self.model, self.layer, self.num_drafts = model, layer, num_drafts
+        c = model.config
+        self.device = model.embed.weight.device
+        # the chain writes rows up to num_drafts - 1 positions past the anchor, while the anchor's window is kept
+        self.pool = ContextPool(max_requests, c.window, c.head_dim, model.dtype, self.device, lookahead=num_drafts)
+        # per slot: the target's final streams at the last position it computed (the chain's first input)
+        self.streams = torch.zeros(max_requests + 1, c.hc_mult, c.hidden_size, dtype=model.dtype, device=self.device)
+        self.graphs: DraftGraphs | None = None
+        model.keep_features = True  # the target's forward keeps every token's final streams
+
+    def use_cuda_graphs(self, batch_sizes: list[int]) -> None:
+        self.graphs = DraftGraphs(self._draft, batch_sizes, self.pool.empty, self.device)
+
+    def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
+        self._store(computed)
+        self.pool.release_finished()
+        if not requests:
+            return []
+        # the chain starts at the position before the last token: the target's streams there, the last token
+        inputs = torch.tensor([[r.token_ids[-1] for r in requests], [len(r.token_ids) - 2 for r in requests],
+                               [self.pool.slot(r) for r in requests]], dtype=torch.int64)
+        if self.graphs is not None and self.graphs.fits(len(requests)):
+            (tokens,) = self.graphs(inputs)
+        else:
+            (tokens,) = self._draft(inputs.to(self.device))
+        return [Draft(t) for t in tokens.tolist()]
+
+    def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        """Draft tokens [B, num_drafts] for ``inputs`` [3, B] (the tokens after each chain's first position, that
+        position, the slot); no host synchronisation, so a graph can hold it."""
+        tokens, positions, slots = inputs
+        layer, model, pool = self.layer, self.model, self.pool
+        streams = self.streams[slots]
+        rows = pool.rows.flatten(0, 1)
+        drafts = []
+        for step in range(self.num_drafts):
+            at = positions + step
+            index = pool.visible(slots, at, own_row=True)
+            phases = model.rotary_main.phases(at)
+            mixed = layer.mix(model.embed(tokens), streams)
+            streams = layer(mixed, phases, rows, index, lambda kv, at=at: pool.write(slots, at, kv))
+            tokens = model.project_vocab(layer.final_hidden(streams)).argmax(dim=-1)
+            drafts.append(tokens)
+        return (torch.stack(drafts, 1),)
+
+    def _store(self, computed: list[ComputedRows]) -> None:
+        """The layer's window rows for the last ``window`` positions each request computed in the last step (the
+        ones later positions attend to), and the target's streams at its last one."""
+        features = self.model.features
+        if features is None:
+            raise RuntimeError("MTP drafting needs the target's final streams from every step, and the last step "
+                               "produced none: the model's keep_features was reset")
+        window, rows, positions, next_tokens, slots, last = self.pool.window, [], [], [], [], []
+        for c in computed:
+            # a row at position p pairs with the token at p + 1, which every computed row but a pending one has
+            count = min(c.count, len(c.request.token_ids) - 1 - c.position)
+            skip = max(0, count - window)
+            if count - skip <= 0:
+                continue
+            slot = self.pool.slot(c.request)
+            rows.append(torch.arange(c.row + skip, c.row + count))
+            positions.append(torch.arange(c.position + skip, c.position + count))
+            next_tokens.append(torch.tensor(c.request.token_ids[c.position + skip + 1:c.position + count + 1]))
+            slots.append(torch.full((count - skip,), slot))
+            last.append((slot, c.row + count - 1))
+        if not rows:
+            return
+        index = torch.stack([torch.cat(rows), torch.cat(positions), torch.cat(next_tokens), torch.cat(slots)])
+        index = index.to(self.device)
+        streams = features[index[0]].view(index.shape[1], *self.streams.shape[1:])
+        mixed = self.layer.mix(self.model.embed(index[2]), streams)
+        self.pool.write(index[3], index[1], self.layer.window_rows(mixed, self.model.rotary_main.phases(index[1])))
+        last = torch.tensor(last).to(self.device)
+        self.streams[last[:, 0]] = features[last[:, 1]].view(len(last), *self.streams.shape[1:])
