@@ -10,7 +10,7 @@ import torch
 # (subnormal floats make CPU kernels ~100x slower; see LLMEngine).
 torch.set_flush_denormal(True)
 
-from deepinfer import bench, bench_load, bench_speculative  # noqa: E402
+from deepinfer import bench, bench_load, bench_replay, bench_speculative  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_latency_arguments(kinds.add_parser("latency", help="latency of one batch, prefill and decode tokens/s"))
     bench_load.add_arguments(kinds.add_parser("load", help="load time and peak host memory"))
     bench_speculative.add_arguments(kinds.add_parser("speculative", help="decode with and without drafts"))
+    bench_replay.add_arguments(kinds.add_parser("replay", help="prefill with SWA bounded replay off and compact"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         (bench_load.main if args.kind == "load" else bench.main)(args)

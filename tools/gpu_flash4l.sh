@@ -10,7 +10,8 @@
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
-# spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts).
+# spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
+# replay: prefill off vs compact).
 # TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`. Results come back as results.tgz.
 set -uo pipefail
 sections=",$1,"
@@ -133,6 +134,15 @@ if has spec; then  # issue 8: DSpark drafts on the embedded model, verification 
     timeout 400 "${bench[@]}" speculative --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-sizes 1 32 \
         --output-len 128 --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
     python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in ('without_drafts', 'fixed_length', 'confidence_scheduled')]" "$out/speculative.json"
+fi
+if has replay; then  # issue 9: SWA bounded replay, prefill off vs compact (V4.1-shaped fixture, embedded model)
+    stamp "replay"
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    timeout 240 "${bench[@]}" replay --model /tmp/v41flash8L --load-format dummy --dtype bfloat16 --batch-size 4 --input-len 4096 \
+        --output-len 32 --max-num-batched-tokens 16384 --output-json "$out/replay_v41flash8L.json" 2>&1 | grep -E "Error|error" | head -5
+    timeout 150 "${bench[@]}" replay --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 4 --input-len 1024 \
+        --output-len 64 --text-file README.md --max-num-batched-tokens 8192 --output-json "$out/replay_tiny.json" 2>&1 | grep -E "Error|error" | head -5
+    for f in "$out"/replay_*.json; do python -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[1], r['prefill_tokens_per_second'], r['speedup'], r['last_logits_max_deviation_over_max_logit'], r['greedy_tokens_before_first_difference'])" "$f"; done
 fi
 if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null

@@ -118,11 +118,13 @@ class BlockManager:
             known.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
         return known
 
-    def publish(self, tables, hashes: list[bytes], num_computed: int) -> None:
-        """Offer every full, computed token block for reuse."""
+    def publish(self, tables, hashes: list[bytes], num_computed: int, windows: bool = True) -> None:
+        """Offer every full, computed token block for reuse (``windows=False``: not the sliding-window KV's)."""
         if not self.prefix_caching:
             return
         for kind in self.kinds:
+            if not windows and kind.name == "swa":
+                continue
             table, allocator = tables.get(kind.name, []), self.allocators[kind.name]
             for j in range(min(num_computed // self.block_size, len(table), len(hashes))):
                 if table[j] != FREED:

@@ -98,14 +98,40 @@ class LLMEngine:
 
     def _refuse_unsupported_features(self) -> None:
         """A plugin's offer this engine cannot honour is an error, never silently dropped."""
-        truncation = select_optional_backend(
+        self._set_up_speculation()
+        self.truncation = self._prefill_truncation()
+
+    def _prefill_truncation(self):
+        """SWA bounded replay's policy, checked against the model and the longest backtrack: after a prefill the
+        decoder layers' windows must hold every row a later step reads, even once drafts are rolled back."""
+        offer = select_optional_backend(
             "deepinfer_prefill_truncation", config=self.config, model_config=self.model_config
         )
-        if truncation is not None:
+        if offer is None:
+            return None
+        policy, plugin = offer
+        if self.model.decoder_start is None:
             raise ValueError(
-                f"plugin {truncation[1]} offers prefill truncation, but DeepSeek-V4 has no window-only "
-                "decoder layers to truncate (SWA bounded replay applies to DeepSeek-V4.1)"
+                f"plugin {plugin} offers prefill truncation (SWA bounded replay), but {type(self.model).__name__} "
+                "has no window-only decoder layers: each of its layers keeps full-context state, so running one "
+                "on a suffix would change every later token. It applies to DeepSeek-V4.1; unset "
+                "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE for this model"
             )
+        window = self.model_config.window
+        backtrack = self.speculator.max_drafts if self.speculator is not None else 0
+        kept = self.max_model_len - policy.replay_start(self.max_model_len)
+        if kept < window + backtrack:
+            raise ValueError(
+                f"prefill truncation ({policy.name}) replays the last {kept} prompt tokens, but the suffix must "
+                f"cover the sliding window W={window} plus the longest backtrack B={backtrack} (B is "
+                "DEEPINFER_USE_NEXTN_DECODE with speculative decoding on, else 0): set "
+                f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS >= {window + backtrack}"
+            )
+        logger.info("prefill truncation: %s (plugin %s); decoder layers %d-%d replay each prompt's last %d tokens",
+                    policy.name, plugin, self.model.decoder_start, self.model_config.num_layers - 1, kept)
+        return policy
+
+    def _set_up_speculation(self) -> None:
         self.speculator = None
         offer = select_optional_backend("deepinfer_drafter", config=self.config, model=self.model)
         if offer is not None:
@@ -183,6 +209,8 @@ class LLMEngine:
                 f"request {request.request_id}: the prompt contains the image token {image_token}; image inputs "
                 "are not supported yet (DeepSeek-V4.1's vision tower is not implemented)"
             )
+        if self.truncation is not None:
+            request.replay_start = self.truncation.replay_start(len(request.prompt_token_ids))
         self.outputs.start(request)
         self.scheduler.add(request)
 

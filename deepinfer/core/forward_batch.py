@@ -50,6 +50,17 @@ class ForwardBatch:
     compressed: dict[int, CompressedMeta] = field(default_factory=dict)
     # model-specific per-token inputs prepared on the host (the model's ``host_inputs``), first dim T
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # SWA bounded replay: the rows the decoder layers run on and their own batch (None: every row, as is)
+    replay: DecoderReplay | None = None
+
+
+@dataclass(slots=True)
+class DecoderReplay:
+    """The sub-batch window-only decoder layers run on: ``rows`` [T'] of the step, each with its slots and its
+    decoder window cut at its request's replay start (rows before it were never computed by those layers)."""
+
+    rows: torch.Tensor
+    batch: ForwardBatch
 
 
 @dataclass(slots=True)
@@ -65,6 +76,10 @@ class StepInputs:
     extras: dict[str, torch.Tensor]
     candidates: dict[int, int]  # ratio -> candidate columns
     scratch_rows: dict[str, int] | None = None  # padded batches: writes with no slot go to these rows
+    # SWA bounded replay: the rows the window-only decoder layers run on, and for each the first position its
+    # decoder window may see (its request's replay start); None: every row, nothing hidden
+    replay_rows: torch.Tensor | None = None
+    replay_floor: torch.Tensor | None = None
 
     def _tensors(self):
         for f in fields(self):
@@ -157,6 +172,13 @@ def _scatter_rows(t: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.T
     return out
 
 
+def _rows_of(meta: CompressedMeta, rows: torch.Tensor) -> CompressedMeta:
+    """What readers of compressed entries see for ``rows``: their candidates. Decoder layers own no compressor,
+    so nothing is written there."""
+    return CompressedMeta(meta.ratio, meta.overlap, meta.state_slots[:0], meta.candidates[rows],
+                          meta.close_rows[:0], meta.close_slots[:0], meta.close_positions[:0])
+
+
 def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
     return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
 
@@ -194,6 +216,7 @@ class ForwardBatchBuilder:
             end += n
             if start + n == len(r.token_ids):
                 logits_rows.extend(range(end - 1 - min(r.num_drafts, n - 1), end))
+        replay_rows, replay_floor = self._replay(scheduled)
         ends = positions + 1
         # a padded batch has fixed candidate widths and closes a row per token: only unpadded ones need these
         closing = {} if padded else {r: (ends % r == 0).nonzero().flatten() for r in self.ratios}
@@ -207,8 +230,23 @@ class ForwardBatchBuilder:
             close_tokens=closing,
             extras=self.host_inputs(token_ids, self._history(scheduled)) if self.token_history else {},
             candidates=widths,
+            replay_rows=replay_rows,
+            replay_floor=replay_floor,
         )
         return inputs if padded is None else padded.pad(inputs)
+
+    def _replay(self, scheduled) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The decoder layers' rows and window floors, when some request's replay start hides a row or a row's
+        window from them; (None, None) otherwise (every decode step: its window lies past the replay start)."""
+        if all(not r.replay_start or start - self.window + 1 >= r.replay_start for r, start, _ in scheduled):
+            return None, None
+        rows, floors, first = [], [], 0
+        for r, start, n in scheduled:
+            kept = min(max(start, r.replay_start), start + n)
+            rows.append(torch.arange(first + kept - start, first + n))
+            floors.append(torch.full((start + n - kept,), r.replay_start))
+            first += n
+        return torch.cat(rows), torch.cat(floors)
 
     def _padded_decode_inputs(self, scheduled, padded: PaddedShape) -> StepInputs:
         """``padded.pad(self.inputs(scheduled))`` for a decode step (or a verification step: ``tokens_per_request``
@@ -276,6 +314,18 @@ class ForwardBatchBuilder:
         )
         for ratio, overlap in self.ratios.items():
             batch.compressed[ratio] = self._compressed(inputs, ratio, overlap)
+        if inputs.replay_rows is not None:
+            rows = inputs.replay_rows
+            seen = window_pos[rows] >= inputs.replay_floor.unsqueeze(1)
+            batch.replay = DecoderReplay(rows, ForwardBatch(
+                token_ids=batch.token_ids[rows],
+                positions=positions[rows],
+                swa_slots=batch.swa_slots[rows],
+                window=torch.where(seen, window[rows], -1),
+                logits_rows=rows.new_empty(0),  # the model hands the decoder's rows back in step order
+                compressed={r: _rows_of(meta, rows) for r, meta in batch.compressed.items()},
+                extras={name: t[rows] for name, t in batch.extras.items()},
+            ))
         return batch
 
     def _slots(self, table: torch.Tensor, kind: str, owner: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_drafts: int = 0
+    # SWA bounded replay: the first position the window-only decoder layers compute (0: every position)
+    replay_start: int = 0
     status: Status = Status.WAITING
     tables: dict[str, list[int]] = field(default_factory=dict)
     block_hashes: list[bytes] = field(default_factory=list)

@@ -116,7 +116,9 @@ class Scheduler:
             if self.blocks.prefix_caching:
                 num_full = request.num_computed // self.blocks.block_size
                 hashes = self.blocks.block_hashes(request.token_ids, num_full, request.block_hashes)
-                self.blocks.publish(request.tables, hashes, request.num_computed)
+                # a replayed prefill's window rows are not what a full one computes (its decoder layers skipped the
+                # rows before the replay start and saw windows cut there): they stay out of the prefix cache
+                self.blocks.publish(request.tables, hashes, request.num_computed, windows=not request.replay_start)
             self.blocks.trim(request.tables, request.num_computed)
 
     def finish(self, request: Request) -> None:

@@ -50,6 +50,7 @@ class Block(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     token_history = 0  # no layer looks at earlier token ids
     graph_blocker = None  # nothing in the forward pass waits on the host
+    decoder_start = None  # every layer keeps full-context state: no window-only decoder layers to replay
     host_inputs = None  # no per-token inputs beyond the slot tensors
 
     def __init__(self, config: DeepseekV4ModelConfig, attention: AttentionBackend, moe: MoEBackend, mhc: MHCBackend,

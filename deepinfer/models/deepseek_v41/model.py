@@ -46,6 +46,10 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) is not None
 
 
+def _scatter(rows: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
+    return rows.new_zeros(total, *rows.shape[1:]).index_copy_(0, index, rows)
+
+
 class Block(nn.Module):
     def __init__(self, config: DeepseekV41ModelConfig, layer_id: int, rotary: ComplexRotary,
                  attention: AttentionBackend, moe: MoEBackend, mhc: MHCBackend):
@@ -100,6 +104,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.ngram_hasher = NgramHasher(c, tokenizer)
         else:
             self.ngram_hasher = None
+        # the first window-only decoder layer: every layer after the last KV source keeps only its sliding window
+        # of KV, so SWA bounded replay may run these on a suffix of each prompt (``ForwardBatch.replay``)
+        self.decoder_start = max(c.kv_source_layer_ids) + 1
         # layers whose input a drafter reads (``features`` holds the last forward's, [T, layers * hidden])
         self.feature_layers: tuple[int, ...] = ()
         self.features: torch.Tensor | None = None
@@ -180,11 +187,25 @@ class DeepseekV41ForCausalLM(nn.Module):
             meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         selection = Selection()
         features = []
+        replay = batch.replay
         for i, layer in enumerate(self.layers):
+            if i == self.decoder_start and replay is not None:  # the decoder layers run on the replayed rows only
+                rows, batch = replay.rows, replay.batch
+                if not rows.numel():  # a prefill chunk wholly before its replay start: no decoder work at all
+                    streams, pre = streams[:0], pre[:0]
+                    features += [streams[:, 0] for j in self.feature_layers if j >= i]
+                    break
+                streams, pre = streams[rows], pre[rows]
+                phases = {rotary: p[rows] for rotary, p in phases.items()}
+                selection = Selection(*(None if t is None else t[rows] for t in (selection.slots, selection.candidates)))
             wanted = features if i in self.feature_layers else None
             streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, wanted)
+        hidden = self.mhc.collapse(streams, pre)
+        if replay is not None:  # back in step order; rows the decoder skipped stay zero (they need no logits)
+            hidden = _scatter(hidden, replay.rows, x.shape[0])
+            features = [f if f.shape[0] == x.shape[0] else _scatter(f, replay.rows, x.shape[0]) for f in features]
         self.features = torch.cat(features, dim=-1) if features else None
-        return self.mhc.collapse(streams, pre)
+        return hidden
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The normalized hidden state, fp32: what the vocabulary projection reads."""

@@ -1,0 +1,1 @@
+"""SWA bounded replay: DeepSeek-V4.1's decoder layers prefill each prompt's last tokens only."""
