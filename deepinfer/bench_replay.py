@@ -19,9 +19,6 @@ import torch
 
 from deepinfer.bench import _add_common, _release, _synchronize
 
-MODES = ("off", "compact")
-
-
 def _prompts(args, tokenizer, vocab: int) -> list[list[int]]:
     if args.text_file:
         with open(args.text_file) as f:
@@ -34,7 +31,7 @@ def _prompts(args, tokenizer, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (args.batch_size, args.input_len), generator=g).tolist()
 
 
-def _run(args, mode: str) -> dict:
+def _run(args, mode: str, prompts: list[list[int]] | None) -> dict:
     from deepinfer import LLM, SamplingParams, envs
 
     os.environ["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] = mode
@@ -47,7 +44,8 @@ def _run(args, mode: str) -> dict:
               enable_prefix_caching=False)  # every timed prefill computes its prompts (compact's would miss)
     if mode == "compact" and llm.engine.truncation is None:
         raise SystemExit("no prefill truncation plugin serves compact mode (is features/swa_replay installed?)")
-    prompts = _prompts(args, llm.tokenizer, llm.engine.model_config.vocab_size)
+    if prompts is None:  # drawn once: both modes must see the same prompts, whatever happens to --text-file
+        prompts = _prompts(args, llm.tokenizer, llm.engine.model_config.vocab_size)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts, one, use_tqdm=False)  # warm-up
     model = llm.engine.model
@@ -63,7 +61,7 @@ def _run(args, mode: str) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     result = {"prefill_tokens_per_second": len(prompts) * args.input_len / elapsed, "last_logits": logits,
-              "token_ids": [o.outputs[0].token_ids for o in outputs]}
+              "token_ids": [o.outputs[0].token_ids for o in outputs], "prompts": prompts}
     del llm, model
     _release()
     return result
@@ -79,7 +77,8 @@ def _agreement(a: list[int], b: list[int]) -> int:
 def run(args, vocab: int) -> dict:
     if args.compare_hf:
         raise SystemExit("bench replay compares DeepInfer with itself: --compare-hf does not apply")
-    off, compact = (_run(args, mode) for mode in MODES)
+    off = _run(args, "off", None)
+    compact = _run(args, "compact", off["prompts"])
     scale = off["last_logits"].abs().amax(dim=-1)
     deviation = ((compact["last_logits"] - off["last_logits"]).abs().amax(dim=-1) / scale).tolist()
     agreement = [_agreement(a, b) for a, b in zip(off["token_ids"], compact["token_ids"])]

@@ -136,6 +136,20 @@ def test_prefix_cache_reuses_no_window_rows_of_a_replayed_prefill(text_ids, monk
     _same(llm.generate([short], GREEDY, use_tqdm=False), full, logprobs_atol=1e-5)
 
 
+def test_a_prefix_cache_hit_keeps_the_replay_start(text_ids, monkeypatch):
+    """A long prompt whose first blocks a full (short) prefill cached starts from them and still replays its
+    decoder layers from its own replay start: the result is the one without prefix caching."""
+    short, long_prompt = text_ids[:KEEP], text_ids[:300]
+    expected = _llm("compact", monkeypatch).generate([long_prompt], GREEDY, use_tqdm=False)
+    llm = _llm("compact", monkeypatch, enable_prefix_caching=True)
+    llm.generate([short], GREEDY, use_tqdm=False)  # no longer than keep-tokens: a full prefill, its blocks cached
+    rows = _decoder_rows(llm)
+    outputs = llm.generate([long_prompt], GREEDY, use_tqdm=False)
+    assert outputs[0].metrics.num_cached_tokens >= 64
+    assert rows[0] == [300 - outputs[0].metrics.num_cached_tokens, KEEP]
+    _same(outputs, expected, logprobs_atol=1e-3)
+
+
 def test_refusals_name_the_problem(tiny_v4_checkpoint, monkeypatch):
     with pytest.raises(ValueError, match=r"W=64 plus the longest backtrack B=0.*KEEP_TOKENS >= 64"):
         _llm("compact", monkeypatch, keep=63)
