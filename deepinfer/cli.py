@@ -10,7 +10,7 @@ import torch
 # (subnormal floats make CPU kernels ~100x slower; see LLMEngine).
 torch.set_flush_denormal(True)
 
-from deepinfer import bench, bench_load, bench_replay, bench_speculative  # noqa: E402
+from deepinfer import bench, bench_load, bench_replay, bench_speculative, bench_structured  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_load.add_arguments(kinds.add_parser("load", help="load time and peak host memory"))
     bench_speculative.add_arguments(kinds.add_parser("speculative", help="decode with and without drafts"))
     bench_replay.add_arguments(kinds.add_parser("replay", help="prefill with SWA bounded replay off and compact"))
+    bench_structured.add_arguments(kinds.add_parser("structured", help="decode with and without a JSON schema"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         (bench_load.main if args.kind == "load" else bench.main)(args)

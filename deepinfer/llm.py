@@ -12,7 +12,6 @@ from deepinfer.core.engine import LLMEngine
 from deepinfer.core.request import Request
 from deepinfer.core.speculation import log_summary
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.plugins.manager import select_optional_backend
 from deepinfer.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -39,22 +38,21 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         if any(p.so_args is not None for p in params):
-            self._check_structured_outputs()
+            self._check_structured_outputs(params)
         groups = [self._submit(prompt, p) for prompt, p in zip(prompt_list, params)]
         self._run(groups, use_tqdm)
         return [self._request_output(group) for group in groups]
 
-    def _check_structured_outputs(self) -> None:
-        found = select_optional_backend("deepinfer_logits_processor", config=self.engine.config, tokenizer=self.tokenizer)
-        if found is None:
-            raise ValueError(
-                "so_args needs the structured-outputs plugin: install features/structured_outputs "
-                "(distribution deepinfer-structured-outputs)"
-            )
-        raise NotImplementedError(
-            f"plugin {found[1]} offers structured outputs, but the engine does not apply grammar masks "
-            "yet (features/structured_outputs); so_args would be ignored, so the request is refused"
-        )
+    def _check_structured_outputs(self, params: list[SamplingParams]) -> None:
+        """Every ``so_args`` checked (and compiled) before any request starts."""
+        processor = self.engine.structured_outputs()
+        for p in params:
+            if p.so_args is None:
+                continue
+            if p.min_tokens:
+                raise ValueError("so_args cannot be combined with min_tokens: the grammar may allow only the end of "
+                                 "text before min_tokens tokens, which min_tokens forbids")
+            processor.validate(p.so_args)
 
     def _submit(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
         if isinstance(prompt, str):

@@ -103,8 +103,40 @@ class Offers:
         return type("Truncation", (), {"name": "test-truncation"})()
 
     @hookimpl
-    def deepinfer_logits_processor(self, config, tokenizer):
-        return type("Processor", (), {"name": "test-grammar"})()
+    def deepinfer_logits_processor(self, config, tokenizer, vocab_size):
+        return EvenTokens(vocab_size)
+
+
+class EvenTokens:
+    """A grammar of three even token ids, then the end: what the hook's processor and matchers must do."""
+
+    name = "even-tokens"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def validate(self, so_args):
+        if so_args["schema"] != "even":
+            raise ValueError("only the 'even' grammar")
+
+    def matcher(self, so_args):
+        return EvenMatcher()
+
+
+class EvenMatcher:
+    def __init__(self):
+        self.accepted = 0
+
+    @property
+    def terminated(self) -> bool:
+        return self.accepted == 3
+
+    def fill_mask(self, bitmask, row):
+        bitmask[row] = 0x55555555  # bits 0, 2, 4, ...: the even tokens
+
+    def accept(self, token_id):
+        self.accepted += token_id % 2 == 0
+        return token_id % 2 == 0
 
 
 def test_hook_deepinfer_drafter(tiny_v4_checkpoint):
@@ -132,8 +164,14 @@ def test_hook_deepinfer_logits_processor(llm):
     class GrammarOnly:
         deepinfer_logits_processor = Offers.deepinfer_logits_processor
 
-    with registered(GrammarOnly(), "grammar"), pytest.raises(NotImplementedError, match="plugin grammar"):
-        llm.generate(["x"], params, use_tqdm=False)
+    with registered(GrammarOnly(), "grammar"):
+        with pytest.raises(ValueError, match="only the 'even' grammar"):
+            llm.generate(["x"], params, use_tqdm=False)
+        even = SamplingParams(temperature=1.0, max_tokens=10, so_args={"schema_type": "regex", "schema": "even"})
+        outputs = llm.generate(["x", "y"], [even, SamplingParams(max_tokens=4)], use_tqdm=False)
+    tokens = outputs[0].outputs[0].token_ids
+    assert len(tokens) == 3 and all(t % 2 == 0 for t in tokens) and outputs[0].outputs[0].finish_reason == "stop"
+    assert len(outputs[1].outputs[0].token_ids) == 4
 
 
 def test_outputs_in_input_order_with_token_id_prompts(llm):

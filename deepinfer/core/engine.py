@@ -14,6 +14,7 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.cuda_graphs import DecodeGraphs
 from deepinfer.core.feature_flags import check_feature_plugins
 from deepinfer.core.forward_batch import ForwardBatchBuilder
+from deepinfer.core.grammar_masks import apply_grammar_masks
 from deepinfer.core.inflight import InFlight
 from deepinfer.core.kv_cache import KVCache, bytes_per_block
 from deepinfer.core.model_source import resolve_model_dir
@@ -84,7 +85,7 @@ class LLMEngine:
                                if not b.graph_safe]
         if self.model.graph_blocker:
             self.graph_blockers.append(self.model.graph_blocker)
-        self._refuse_unsupported_features()
+        self._set_up_feature_plugins()
         self._build_caches()
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
         self.step_metrics = StepMetrics()
@@ -95,9 +96,12 @@ class LLMEngine:
             logger.info("asynchronous scheduling is off while speculative decoding is on (each step's drafts need "
                         "the previous step's tokens)")
         self._inflight: InFlight | None = None
+        self._structured = None  # the structured-outputs plugin, once a request asks for it
 
-    def _refuse_unsupported_features(self) -> None:
-        """A plugin's offer this engine cannot honour is an error, never silently dropped."""
+    def _set_up_feature_plugins(self) -> None:
+        """Speculative decoding and prefill truncation, if a plugin offers them; an offer this engine cannot
+        honour is an error, never silently dropped. Speculation first: the truncation's check needs its
+        longest backtrack."""
         self._set_up_speculation()
         self.truncation = self._prefill_truncation()
 
@@ -211,6 +215,8 @@ class LLMEngine:
             )
         if self.truncation is not None:
             request.replay_start = self.truncation.replay_start(len(request.prompt_token_ids))
+        if request.params.so_args is not None:  # validated by LLM.generate before any request was added
+            request.grammar = self.structured_outputs().matcher(request.params.so_args)
         self.outputs.start(request)
         self.scheduler.add(request)
 
@@ -227,14 +233,16 @@ class LLMEngine:
         tokens before returning."""
         clock = self._clock
         clock.start()
+        # a grammar's mask for the next token needs the previous token accepted: no overlap while one runs
+        early = self._resolve() if self._inflight is not None and self._constrained() else []
         scheduled = self.scheduler.schedule()
         clock.lap("schedule")
         if not scheduled:
-            return self._resolve() if self._inflight is not None else []
+            return early + (self._resolve() if self._inflight is not None else [])
         tokens_on_host = self._inflight is not None and self._needs_host_tokens(scheduled)
         if tokens_on_host:  # only the values: the outputs (detokenizing, stop checks) still overlap this step
             self._inflight.write_tokens(clock)
-        finished = []
+        finished = early
         self.step_metrics.steps += 1
         sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
         started = None
@@ -259,6 +267,7 @@ class LLMEngine:
         launched = None
         if sampling_requests:
             rows = [(r, 0) for r in sampling_requests]
+            apply_grammar_masks(logits, sampling_requests)
             sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
             launched = InFlight.launch(sampling_requests, self.sampler.sample(logits, sampling), started, clock)
             clock.lap("sample")
@@ -276,6 +285,7 @@ class LLMEngine:
         finished, rejected = [], {}  # rejected: positions computed for drafts that were not kept
         if sampling_requests:
             rows = self.speculator.rows(sampling_requests)
+            apply_grammar_masks(logits, [r for r, _ in rows])  # constrained requests get no drafts: one row each
             sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
             sampled = _host_lists(self.sampler.sample(logits, sampling))
             self._clock.lap("sample")
@@ -302,6 +312,21 @@ class LLMEngine:
         self.speculator.draft(self.scheduler.running, kept)
         self._clock.lap("draft")
         return finished
+
+    def _constrained(self) -> bool:
+        return any(r.grammar is not None for r in self.scheduler.running)
+
+    def structured_outputs(self):
+        """The structured-outputs plugin's ``LogitsProcessor``, loaded on first use (it reads the tokenizer's
+        whole vocabulary once)."""
+        if self._structured is None:
+            found = select_optional_backend("deepinfer_logits_processor", config=self.config,
+                                            tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size)
+            if found is None:
+                raise ValueError("so_args needs the structured-outputs plugin: install features/structured_outputs "
+                                 "(distribution deepinfer-structured-outputs)")
+            self._structured = found[0]
+        return self._structured
 
     def _needs_host_tokens(self, scheduled) -> bool:
         """Whether this step's inputs need the previous step's token values on the host: Engram's hashes do, and

@@ -57,6 +57,9 @@ class OutputProcessor:
                 now: float) -> bool:
         """Books the token at ``position`` (logprobs, text, stops); on a stop drops what follows it."""
         token = request.token_ids[position]
+        if request.grammar is not None and not request.grammar.accept(token):
+            raise RuntimeError(f"request {request.request_id}: sampled token {token}, which its grammar forbids "
+                               "(the mask was not applied)")
         request.cumulative_logprob += logprob
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
@@ -90,6 +93,8 @@ class OutputProcessor:
         step = request.detokenizer.update([token])
         if step.stop_string is not None:
             return self._finish(request, "stop", step.stop_string)
+        if request.grammar is not None and request.grammar.terminated:
+            return self._finish(request, "stop", None)
         if length - len(request.prompt_token_ids) >= params.max_tokens or length >= self.max_model_len:
             return self._finish(request, "length", None)
         return False

@@ -32,6 +32,7 @@ class Request:
     num_drafts: int = 0
     # SWA bounded replay: the first position the window-only decoder layers compute (0: every position)
     replay_start: int = 0
+    grammar: object = None  # structured outputs: the request's GrammarMatcher (plugins/interfaces.py)
     status: Status = Status.WAITING
     tables: dict[str, list[int]] = field(default_factory=dict)
     block_hashes: list[bytes] = field(default_factory=list)

@@ -104,7 +104,9 @@ class Speculator:
         self.stats = SpeculationStats()
 
     def draft(self, running: list[Request], computed: list[ComputedRows]) -> None:
-        decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0]
+        # a constrained request gets no drafts: checking them against its grammar is not built yet
+        decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0
+                    and r.grammar is None]
         if not decoding and not computed:
             return
         # asked even when no request decodes next (a chunk of a long prefill): the drafter keeps what was computed

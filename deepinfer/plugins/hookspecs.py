@@ -66,5 +66,6 @@ def deepinfer_prefill_truncation(config, model_config):
 
 
 @hookspec(firstresult=True)
-def deepinfer_logits_processor(config, tokenizer):
-    """Return a ``LogitsProcessor`` for requests with ``so_args`` (structured outputs), or ``None``."""
+def deepinfer_logits_processor(config, tokenizer, vocab_size):
+    """Return a ``LogitsProcessor`` for requests with ``so_args`` (structured outputs), or ``None``;
+    ``vocab_size`` is the model's (its logits' width, which may exceed the tokenizer's)."""

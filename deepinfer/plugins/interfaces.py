@@ -252,7 +252,23 @@ class PrefillTruncation(Protocol):
 
 
 class LogitsProcessor(Protocol):
+    """Structured outputs: one ``GrammarMatcher`` per constrained request."""
+
     name: str
 
     def validate(self, so_args: dict) -> None:
-        """Raise ``ValueError`` naming the problem if ``so_args`` cannot be enforced."""
+        """Raise ``ValueError`` naming the problem if ``so_args`` cannot be enforced (before anything runs)."""
+
+    def matcher(self, so_args: dict) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar (``so_args`` validated)."""
+
+
+class GrammarMatcher(Protocol):
+    terminated: bool  # the grammar has ended: the request stops
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """The tokens the grammar allows next into ``bitmask[row]``: int32 words on the host, bit ``j`` of word
+        ``i`` standing for token ``32 * i + j`` (xgrammar's layout); the row arrives all ones."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False if the grammar does not allow it (the state is then unchanged)."""

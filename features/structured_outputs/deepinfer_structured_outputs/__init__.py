@@ -1,0 +1,1 @@
+"""Structured outputs: so_args constraints matched by xgrammar."""

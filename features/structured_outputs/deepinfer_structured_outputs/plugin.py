@@ -1,0 +1,116 @@
+"""The ``deepinfer_logits_processor`` hook: ``so_args`` matched by xgrammar (JSON schema, regex, EBNF).
+
+The tokenizer's vocabulary is read once per model (``TokenizerInfo``); compiled grammars are cached by their
+``so_args``; each request gets its own matcher. JSON-schema keywords xgrammar would silently not enforce are
+refused when the request is submitted, naming the keyword and where it is.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import torch
+import xgrammar as xgr
+
+from deepinfer.plugins.hookspecs import hookimpl
+
+# Keywords xgrammar 0.2 compiles but does not enforce (a probe of each with a violating instance that the
+# matcher accepts: tests/test_structured_outputs.py), with why
+UNENFORCED = {
+    "not": "a negated schema is not matched",
+    "if": "conditional schemas (if/then/else) are not matched",
+    "then": "conditional schemas (if/then/else) are not matched",
+    "else": "conditional schemas (if/then/else) are not matched",
+    "oneOf": "oneOf is matched as anyOf: a value matching several options is not refused",
+}
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SCHEMA = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties",
+           "unevaluatedItems", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unenforced_keywords(schema, path: str = "#") -> list[str]:
+    """``"path: keyword (why)"`` for every keyword the matcher would not enforce, nested schemas included."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{path}: {key} ({why})" for key, why in UNENFORCED.items() if key in schema]
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        found.append(f"{path}: allOf with {len(all_of)} schemas (only one is matched)")
+    for key in _SCHEMA:
+        found += unenforced_keywords(schema.get(key), f"{path}/{key}")
+    for key in _SCHEMA_LISTS:
+        for i, item in enumerate(schema.get(key) or ()):
+            found += unenforced_keywords(item, f"{path}/{key}/{i}")
+    for key in _SCHEMA_MAPS:
+        for name, item in (schema.get(key) or {}).items():
+            found += unenforced_keywords(item, f"{path}/{key}/{name}")
+    return found
+
+
+class XGrammarMatcher:
+    """One request's grammar state (the ``GrammarMatcher`` protocol)."""
+
+    def __init__(self, grammar: xgr.CompiledGrammar):
+        self._matcher = xgr.GrammarMatcher(grammar)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        return self._matcher.accept_token(token_id)
+
+
+class XGrammarOutputs:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int):
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(info)
+        self._compile = lru_cache(maxsize=256)(self._compile_text)
+
+    def validate(self, so_args: dict) -> None:
+        self._grammar(so_args)
+
+    def matcher(self, so_args: dict) -> XGrammarMatcher:
+        return XGrammarMatcher(self._grammar(so_args))
+
+    def _grammar(self, so_args: dict) -> xgr.CompiledGrammar:
+        kind, schema = so_args["schema_type"], so_args["schema"]
+        if kind == "json":
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"so_args: the JSON schema is not valid JSON: {exc}") from None
+            unenforced = unenforced_keywords(schema)
+            if unenforced:
+                raise ValueError("so_args: this JSON schema uses keywords the matcher cannot enforce, so outputs "
+                                 "could break it: " + "; ".join(unenforced))
+            text = json.dumps(schema, sort_keys=True)
+        else:
+            text = schema
+        return self._compile(kind, text)
+
+    def _compile_text(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        # JSON with the standard separators and no free whitespace ({"a": 1}): a small model otherwise loops on
+        # newlines until max_tokens
+        compile_ = {"json": lambda text: self._compiler.compile_json_schema(text, any_whitespace=False),
+                    "regex": self._compiler.compile_regex,
+                    "ebnf": self._compiler.compile_grammar}[kind]
+        try:
+            return compile_(text)
+        except RuntimeError as exc:  # xgrammar reports every parse error so; keep its line/column, drop its prefix
+            message = str(exc).strip().split("] ", 1)[-1].split(": ", 1)[-1]
+            raise ValueError(f"so_args: the {kind} schema cannot be compiled: {message}") from None
+
+
+@hookimpl
+def deepinfer_logits_processor(config, tokenizer, vocab_size):
+    return XGrammarOutputs(tokenizer, vocab_size)
