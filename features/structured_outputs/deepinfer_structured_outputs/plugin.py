@@ -15,20 +15,35 @@ import xgrammar as xgr
 
 from deepinfer.plugins.hookspecs import hookimpl
 
-# Keywords xgrammar 0.2 compiles but does not enforce (a probe of each with a violating instance that the
-# matcher accepts: tests/test_structured_outputs.py), with why
+# Keywords xgrammar 0.2 compiles but does not enforce, with why: found by probing each with a violating instance
+# the matcher accepts (tests/test_structured_outputs.py) and by tools/json_schema_suite.py (the
+# JSON-Schema-Test-Suite's schemas, outputs validated with jsonschema)
 UNENFORCED = {
     "not": "a negated schema is not matched",
     "if": "conditional schemas (if/then/else) are not matched",
     "then": "conditional schemas (if/then/else) are not matched",
     "else": "conditional schemas (if/then/else) are not matched",
     "oneOf": "oneOf is matched as anyOf: a value matching several options is not refused",
+    "allOf": "allOf is not merged with its siblings (additionalProperties, items, ...)",
+    "dependentSchemas": "dependent schemas are not matched",
+    "dependencies": "draft-7 dependencies are not matched",
+    "uniqueItems": "uniqueItems is not always matched (e.g. beside prefixItems)",
+    "contains": "contains (and minContains/maxContains) is matched only beside type: array",
+    "propertyNames": "property-name schemas other than a pattern are not matched",
+    "unevaluatedItems": "unevaluatedItems is not matched",
+    "$dynamicRef": "dynamic references are not resolved",
+    "$anchor": "anchors are not resolved",
+    "$dynamicAnchor": "dynamic anchors are not resolved",
 }
+# keywords that only annotate: anyOf may sit beside these and nothing else (xgrammar drops its siblings)
+_ANNOTATIONS = {"$schema", "$id", "$comment", "$defs", "definitions", "title", "description", "default",
+                "examples", "deprecated", "readOnly", "writeOnly", "anyOf"}
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 # keywords whose value is a schema, a list of schemas, or a map of names to schemas
 _SCHEMA = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties",
-           "unevaluatedItems", "additionalItems")
+           "unevaluatedItems", "additionalItems", "not", "if", "then", "else")
 _SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
 def unenforced_keywords(schema, path: str = "#") -> list[str]:
@@ -36,9 +51,25 @@ def unenforced_keywords(schema, path: str = "#") -> list[str]:
     if not isinstance(schema, dict):
         return []
     found = [f"{path}: {key} ({why})" for key, why in UNENFORCED.items() if key in schema]
-    all_of = schema.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
-        found.append(f"{path}: allOf with {len(all_of)} schemas (only one is matched)")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        found.append(f"{path}: $ref {ref!r} (only local JSON pointers, '#/...', are resolved)")
+    if "anyOf" in schema and set(schema) - _ANNOTATIONS:
+        beside = ", ".join(sorted(set(schema) - _ANNOTATIONS))
+        found.append(f"{path}: anyOf beside {beside} (the matcher drops anyOf's siblings)")
+    undeclared = set(schema.get("required") or ()) - set(schema.get("properties") or {})
+    if undeclared:
+        found.append(f"{path}: required {sorted(undeclared)} (required properties must be declared in properties)")
+    found += [f"{path}: {key} {schema[key]!r} (write an integer)" for key in _COUNTS
+              if isinstance(schema.get(key), float)]
+    if schema.get("type") != "object":
+        found += [f"{path}: {key} without type: object (not matched then)" for key in ("minProperties",
+                  "maxProperties") if key in schema]
+    unanchored = [p for p in schema.get("patternProperties") or {} if not (p.startswith("^") and p.endswith("$"))]
+    if unanchored:  # JSON Schema searches a key for the pattern; the matcher matches the whole key
+        found.append(f"{path}: patternProperties {unanchored} (anchor each pattern with ^...$)")
+    if "multipleOf" in schema and not isinstance(schema["multipleOf"], int):
+        found.append(f"{path}: multipleOf {schema['multipleOf']!r} (only integer steps are matched)")
     for key in _SCHEMA:
         found += unenforced_keywords(schema.get(key), f"{path}/{key}")
     for key in _SCHEMA_LISTS:
