@@ -127,7 +127,6 @@ def add_mtp_layer(out_dir: str | Path, seed: int = 1) -> Path:
     names, one tensor per expert) and ``num_nextn_predict_layers: 1``. HF transformers has no MTP layer, so the
     tensors come from DeepInfer's own module."""
     from safetensors.torch import load_file, save_file
-    from torch import nn
 
     from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, inv_freq
     from deepinfer.models.deepseek_v4.layers import Rotary
