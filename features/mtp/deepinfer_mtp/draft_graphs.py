@@ -17,6 +17,9 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [3, batch]: anchors, positions, slots (static, on the device)
     outputs: tuple[torch.Tensor, ...]  # each [batch, ...]
+    # the inputs' pinned host copy, reused: a draft pass ends with its outputs read on the host, so the previous
+    # copy from it has run before the next overwrites it
+    staging: torch.Tensor
 
 
 class DraftGraphs:
@@ -35,10 +38,11 @@ class DraftGraphs:
     def __call__(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = inputs.shape[1]
         size = next(s for s in self.sizes if s >= batch)
-        padded = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
+        captured = self.graphs.get(size)
+        padded = captured.staging if captured is not None else torch.empty(3, size, dtype=torch.int64, pin_memory=True)
+        padded.zero_()
         padded[2] = self.empty_slot
         padded[:, :batch] = inputs
-        captured = self.graphs.get(size)
         if captured is None:
             captured = self.graphs[size] = self._capture(padded)
         else:
@@ -59,4 +63,4 @@ class DraftGraphs:
             raise RuntimeError(f"capturing the draft pass (batch {inputs.shape[1]}) failed: {exc}. Pass "
                                "enforce_eager=True to run it eagerly, and report it") from exc
         logger.info("captured a draft CUDA graph: batch %d, in %.2f s", inputs.shape[1], time.perf_counter() - start)
-        return _Captured(graph, inputs, outputs)
+        return _Captured(graph, inputs, outputs, host_inputs)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from deepinfer.models.deepseek_v41.dspark import DraftInputs, DSparkDraft
-from deepinfer.plugins.interfaces import ComputedRows, Draft
+from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer_mtp.context_pool import ContextPool
-from deepinfer_mtp.draft_graphs import DraftGraphs
+from deepinfer_mtp.pooled_drafter import PooledDrafter
 
 
-class DSparkDrafter:
+class DSparkDrafter(PooledDrafter):
     name = "dspark"
 
     def __init__(self, model, draft: DSparkDraft, max_requests: int):
@@ -24,25 +24,7 @@ class DSparkDrafter:
         self.device = model.embed.weight.device
         first = draft.layers[0].main_proj.weight
         self.pool = ContextPool(max_requests, model.config.window, model.config.hidden_size, first.dtype, self.device)
-        self.graphs: DraftGraphs | None = None
         model.feature_layers = draft.target_layers  # the target's forward keeps these layers' inputs
-
-    def use_cuda_graphs(self, batch_sizes: list[int]) -> None:
-        """The engine replays its decode steps from CUDA graphs: replay the draft pass from graphs too."""
-        self.graphs = DraftGraphs(self._draft, batch_sizes, self.pool.empty, self.device)
-
-    def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
-        self._store(computed)
-        self.pool.release_finished()
-        if not requests:
-            return []
-        inputs = torch.tensor([[r.token_ids[-1] for r in requests], [len(r.token_ids) - 1 for r in requests],
-                               [self.pool.slot(r) for r in requests]], dtype=torch.int64)
-        if self.graphs is not None and self.graphs.fits(len(requests)):
-            tokens, confidences = self.graphs(inputs)
-        else:
-            tokens, confidences = self._draft(inputs.to(self.device))
-        return [Draft(t, c) for t, c in zip(tokens.tolist(), confidences.tolist())]
 
     def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and confidences [B, block] for ``inputs`` [3, B] (anchor ids, their positions, context slots);

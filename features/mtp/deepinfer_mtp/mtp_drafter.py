@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 
 from deepinfer.models.deepseek_v4.mtp import MTPLayer
-from deepinfer.plugins.interfaces import ComputedRows, Draft
+from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer_mtp.context_pool import ContextPool
-from deepinfer_mtp.draft_graphs import DraftGraphs
+from deepinfer_mtp.pooled_drafter import PooledDrafter
 
 
-class MTPDrafter:
+class MTPDrafter(PooledDrafter):
     name = "mtp"
+    anchor_back = 2  # the chain starts at the position before the last token: the target's streams there
 
     def __init__(self, model, layer: MTPLayer, max_requests: int, num_drafts: int):
         self.model, self.layer, self.num_drafts = model, layer, num_drafts
@@ -24,25 +25,7 @@ class MTPDrafter:
         self.pool = ContextPool(max_requests, c.window, c.head_dim, model.dtype, self.device, lookahead=num_drafts)
         # per slot: the target's final streams at the last position it computed (the chain's first input)
         self.streams = torch.zeros(max_requests + 1, c.hc_mult, c.hidden_size, dtype=model.dtype, device=self.device)
-        self.graphs: DraftGraphs | None = None
         model.keep_features = True  # the target's forward keeps every token's final streams
-
-    def use_cuda_graphs(self, batch_sizes: list[int]) -> None:
-        self.graphs = DraftGraphs(self._draft, batch_sizes, self.pool.empty, self.device)
-
-    def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
-        self._store(computed)
-        self.pool.release_finished()
-        if not requests:
-            return []
-        # the chain starts at the position before the last token: the target's streams there, the last token
-        inputs = torch.tensor([[r.token_ids[-1] for r in requests], [len(r.token_ids) - 2 for r in requests],
-                               [self.pool.slot(r) for r in requests]], dtype=torch.int64)
-        if self.graphs is not None and self.graphs.fits(len(requests)):
-            (tokens,) = self.graphs(inputs)
-        else:
-            (tokens,) = self._draft(inputs.to(self.device))
-        return [Draft(t) for t in tokens.tolist()]
 
     def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor]:
         """Draft tokens [B, num_drafts] for ``inputs`` [3, B] (the tokens after each chain's first position, that
