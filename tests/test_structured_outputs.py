@@ -109,17 +109,30 @@ def test_running_out_of_tokens_before_the_grammar_ends_is_a_length_finish(llm):
     assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 3
 
 
-def test_constrained_requests_get_no_drafts_and_still_obey(monkeypatch):
+@pytest.mark.parametrize("sampling", [dict(temperature=0), SAMPLED], ids=["greedy", "seeded"])
+def test_drafts_are_checked_against_the_grammar_and_rolled_back(monkeypatch, sampling):
+    """DSpark drafts for constrained requests: cut where the grammar refuses them, each verified row masked by
+    the grammar's state after the drafts before it, the grammar rolled back after. The output is the one
+    without drafts, token for token (fp32, dequantized weights)."""
     mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed")
-    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
-    envs.reload()
-    with registered(plugin, "structured_outputs"), registered(mtp, "mtp"):
-        llm = LLM("deepinfer-tiny-v4.1", dtype="float32", quantization="none")
-        llm.engine.structured_outputs()
-    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outputs = llm.generate(PROMPTS[:2], [plain, _params("json", PERSON, temperature=0)], use_tqdm=False)
-    assert outputs[0].metrics.num_drafts > 0 and outputs[1].metrics.num_drafts == 0
-    jsonschema.validate(json.loads(outputs[1].outputs[0].text), PERSON)
+    params = [_params("json", SCHEMAS[i], **sampling) for i in range(3)]
+    runs = {}
+    for varlen in ("0", None):
+        if varlen is None:
+            monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
+        else:
+            monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", varlen)
+        envs.reload()
+        with registered(plugin, "structured_outputs"), registered(mtp, "mtp"):
+            llm = LLM("deepinfer-tiny-v4.1", dtype="float32", quantization="none")
+            llm.engine.structured_outputs()
+        runs[varlen] = llm.generate(PROMPTS, params, use_tqdm=False)
+    drafted, plain = runs["0"], runs[None]
+    assert sum(o.metrics.num_drafts for o in drafted) > 0 and sum(o.metrics.num_accepted_tokens for o in drafted) > 0
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    for output, p in zip(drafted, params):
+        if output.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(output.outputs[0].text), p.so_args["schema"])
 
 
 @pytest.mark.parametrize("so_args, message", [

@@ -267,7 +267,7 @@ class LLMEngine:
         launched = None
         if sampling_requests:
             rows = [(r, 0) for r in sampling_requests]
-            apply_grammar_masks(logits, sampling_requests)
+            apply_grammar_masks(logits, rows)
             sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
             launched = InFlight.launch(sampling_requests, self.sampler.sample(logits, sampling), started, clock)
             clock.lap("sample")
@@ -285,7 +285,7 @@ class LLMEngine:
         finished, rejected = [], {}  # rejected: positions computed for drafts that were not kept
         if sampling_requests:
             rows = self.speculator.rows(sampling_requests)
-            apply_grammar_masks(logits, [r for r, _ in rows])  # constrained requests get no drafts: one row each
+            apply_grammar_masks(logits, rows)
             sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
             sampled = _host_lists(self.sampler.sample(logits, sampling))
             self._clock.lap("sample")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.core.grammar_masks import allowed_drafts
 from deepinfer.core.request import Request
 from deepinfer.logger import init_logger
 from deepinfer.plugins.interfaces import ComputedRows, Draft, Drafter
@@ -104,9 +105,7 @@ class Speculator:
         self.stats = SpeculationStats()
 
     def draft(self, running: list[Request], computed: list[ComputedRows]) -> None:
-        # a constrained request gets no drafts: checking them against its grammar is not built yet
-        decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0
-                    and r.grammar is None]
+        decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0]
         if not decoding and not computed:
             return
         # asked even when no request decodes next (a chunk of a long prefill): the drafter keeps what was computed
@@ -117,6 +116,8 @@ class Speculator:
                  if self.confidence_scheduling else None)
         for request, draft in zip(decoding, drafts):
             length = verified_length(draft, min(self.max_drafts, self._room(request)), floor)
+            if request.grammar is not None:  # structured outputs: only drafts the grammar allows are verified
+                length = allowed_drafts(request.grammar, draft.token_ids[:length])
             request.set_drafts(list(draft.token_ids[:length]))
 
     def _room(self, request: Request) -> int:

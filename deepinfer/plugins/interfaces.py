@@ -272,3 +272,6 @@ class GrammarMatcher(Protocol):
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False if the grammar does not allow it (the state is then unchanged)."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding's drafts)."""

@@ -97,6 +97,9 @@ class XGrammarMatcher:
     def accept(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
 
 class XGrammarOutputs:
     name = "xgrammar"
