@@ -51,6 +51,22 @@ class _Captured:
         self.staged.record()
 
 
+def capture_graph(run, pool, what: str) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``run()`` once eagerly (it tunes the Triton kernels outside the capture, and writes what the replay then
+    rewrites), then captured into a graph allocating from ``pool``; returns the graph and ``run``'s outputs,
+    which each replay rewrites."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run()
+    except RuntimeError as exc:  # a backend that syncs or allocates on the host despite its graph_safe flag
+        raise RuntimeError(f"capturing {what} failed: {exc}. Pass enforce_eager=True to run it eagerly, and "
+                           "report it") from exc
+    return graph, outputs
+
+
 class DecodeGraphs:
     """``tokens_per_request`` > 1: speculative decoding's verification steps (a request's last token and its
     drafts, padded to that many rows)."""
@@ -127,15 +143,8 @@ class DecodeGraphs:
         captured = _Captured(None, inputs, None, None, inputs_buffer, staging, staging_buffer, torch.cuda.Event())
         captured.stage(host_inputs)
         before_launch(inputs.token_ids)
-        self._forward(inputs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self._forward(inputs)
-        except RuntimeError as exc:  # a backend that syncs or allocates on the host despite its graph_safe flag
-            raise RuntimeError(f"capturing the decode CUDA graph (batch {inputs.token_ids.shape[0]}) failed: {exc}. "
-                               "Pass enforce_eager=True to run every step eagerly, and report it") from exc
+        graph, hidden = capture_graph(lambda: self._forward(inputs), self.pool,
+                                      f"the decode CUDA graph (batch {inputs.token_ids.shape[0]})")
         logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", inputs.token_ids.shape[0],
                     inputs.candidates, time.perf_counter() - start)
         captured.graph, captured.hidden = graph, hidden

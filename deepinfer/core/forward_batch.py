@@ -165,9 +165,9 @@ def real_rows(scheduled, tokens_per_request: int) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def _scatter_rows(t: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+def scatter_rows(t: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     """[num_rows, ...] zeros with ``t``'s rows at ``rows``, copied as bytes (Engram's FP8 rows have no index_copy)."""
-    out = torch.zeros((num_rows, *t.shape[1:]), dtype=t.dtype)
+    out = torch.zeros((num_rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
     out.view(torch.uint8).index_copy_(0, rows, t.contiguous().view(torch.uint8))
     return out
 
@@ -270,7 +270,7 @@ class ForwardBatchBuilder:
             real = self.host_inputs(torch.tensor([t for r, s, n in scheduled for t in r.token_ids[s:s + n]]),
                                     self._history(scheduled))
             rows = real_rows(scheduled, q)
-            extras = {name: _scatter_rows(t, rows, padded.num_tokens) for name, t in real.items()}
+            extras = {name: scatter_rows(t, rows, padded.num_tokens) for name, t in real.items()}
         return StepInputs(
             token_ids=torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
             positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),

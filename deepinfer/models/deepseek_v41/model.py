@@ -23,7 +23,7 @@ import re
 import torch
 from torch import nn
 
-from deepinfer.core.forward_batch import ForwardBatch
+from deepinfer.core.forward_batch import ForwardBatch, scatter_rows
 from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
 from deepinfer.core.linear import cast_floating
 from deepinfer.models.deepseek_v4.layers import RMSNorm
@@ -44,10 +44,6 @@ _ENGRAM_TABLE = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)$")
 
 def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES) or _HC_NAMES.search(name) is not None
-
-
-def _scatter(rows: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
-    return rows.new_zeros(total, *rows.shape[1:]).index_copy_(0, index, rows)
 
 
 class Block(nn.Module):
@@ -202,8 +198,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, wanted)
         hidden = self.mhc.collapse(streams, pre)
         if replay is not None:  # back in step order; rows the decoder skipped stay zero (they need no logits)
-            hidden = _scatter(hidden, replay.rows, x.shape[0])
-            features = [f if f.shape[0] == x.shape[0] else _scatter(f, replay.rows, x.shape[0]) for f in features]
+            hidden = scatter_rows(hidden, replay.rows, x.shape[0])
+            features = [f if f.shape[0] == x.shape[0] else scatter_rows(f, replay.rows, x.shape[0]) for f in features]
         self.features = torch.cat(features, dim=-1) if features else None
         return hidden
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.core.cuda_graphs import capture_graph
 from deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -53,14 +54,6 @@ class DraftGraphs:
     def _capture(self, host_inputs: torch.Tensor) -> _Captured:
         start = time.perf_counter()
         inputs = host_inputs.to(self.device)
-        self.run(inputs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.run(inputs)
-        except RuntimeError as exc:
-            raise RuntimeError(f"capturing the draft pass (batch {inputs.shape[1]}) failed: {exc}. Pass "
-                               "enforce_eager=True to run it eagerly, and report it") from exc
+        graph, outputs = capture_graph(lambda: self.run(inputs), self.pool, f"the draft pass (batch {inputs.shape[1]})")
         logger.info("captured a draft CUDA graph: batch %d, in %.2f s", inputs.shape[1], time.perf_counter() - start)
         return _Captured(graph, inputs, outputs, host_inputs)
