@@ -75,7 +75,8 @@ class Envs:
         "int", 140, "Suffix the decoder layers replay; must cover the SWA window plus the longest backtrack.", minimum=1,
     )
     DEEPINFER_BATCH_INVARIANT: bool = _variable(
-        "bool", False, "Outputs stay identical whatever else shares the batch.",
+        "bool", False, "Batch-invariant mode (features/batch_invariant): a request's tokens and logprobs are bitwise the "
+        "same whatever else shares its batch and however its prompt is chunked.",
     )
     DEEPINFER_ASYNC_SCHEDULING: bool = _variable(
         "bool", True, "Schedule and launch the next step before the host has the current step's tokens (off: wait).",

@@ -225,6 +225,31 @@ def test_bad_input_errors_name_the_problem(llm, tiny_v4_checkpoint):
         LLM(str(tiny_v4_checkpoint), dtype="fp33")
 
 
+def test_hook_deepinfer_step_context(tiny_v4_checkpoint):
+    """Every step runs inside each plugin's context, entered and left once per step."""
+    events = []
+
+    class Recorder:
+        name = "recorder"
+
+        def __enter__(self):
+            events.append("enter")
+
+        def __exit__(self, *exc):
+            events.append("exit")
+
+    class StepContext:
+        @hookimpl
+        def deepinfer_step_context(self, config, device):
+            return Recorder()
+
+    with registered(StepContext(), "step-context"):
+        llm = LLM(str(tiny_v4_checkpoint), dtype="float32")
+    llm.generate(["a", "b c"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    steps = llm.engine.step_metrics.steps
+    assert steps > 0 and events.count("enter") >= steps and events == ["enter", "exit"] * (len(events) // 2)
+
+
 @pytest.mark.parametrize(
     "variable, value, distribution",
     [

@@ -11,7 +11,7 @@
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
-# replay: prefill off vs compact).
+# replay: prefill off vs compact), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`. Results come back as results.tgz.
 set -uo pipefail
 sections=",$1,"
@@ -28,7 +28,9 @@ export DG_JIT_CACHE_DIR="$PWD/.jit-cache/deep_gemm" TRITON_CACHE_DIR="$PWD/.jit-
 
 if has install; then
     stamp install
-    pip install --quiet --no-deps --no-index .wheels/pluggy-*.whl 2>&1 | tail -2
+    # the box is offline: pluggy and the test extra's and structured outputs' packages come along in .wheels
+    # (without their dependencies: pip does not see the box's torch as installed)
+    python3 -m pip install --quiet --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "root. user" | tail -2; python3 -c "import jsonschema, lark, xgrammar; print(\"test extra packages: ok\")"
     # offline: no index, and the box's own setuptools instead of an isolated build environment; DeepSeek's kernels
     # from .kernels when it came along (tools/fetch_kernels.py; the run tool's carry: [".wheels", ".kernels"])
     PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tee "$out/install.txt" | tail -9
@@ -128,6 +130,17 @@ if has large; then
     latency b64 --batch-size 64 --input-len 512 --output-len 64
     latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
     latency prefill8192 --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --compare-hf
+fi
+if has invariant; then  # issue 10: batch-invariant mode on flash4L: one output among random batches, and its cost
+    for mode in 1 0; do
+        stamp "batch invariance flash4L mode=$mode"
+        DEEPINFER_BATCH_INVARIANT=$mode timeout 240 python tools/batch_invariance.py /tmp/flash4L --load-format dummy \
+            --runs ${INVARIANCE_RUNS:-12} 2>&1 | grep -v INFO | tail -2 | tee -a "$out/invariance.jsonl"
+    done
+    for b in ${INVARIANT_BATCHES:-16 1}; do
+        latency b$b --batch-size $b --input-len 512 --output-len 64
+        DEEPINFER_BATCH_INVARIANT=1 latency invariant_b$b --batch-size $b --input-len 512 --output-len 64
+    done
 fi
 if has spec; then  # issue 8: DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
     stamp "speculative"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -43,6 +44,14 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
+def _check_batch_invariant(**backends) -> None:
+    variant = [f"{kind} backend {backend.name!r}" for kind, backend in backends.items()
+               if not getattr(backend, "batch_invariant", False)]
+    if variant:
+        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1, but the {', '.join(variant)} do not declare batch_invariant = True "
+                         "(a row's result could depend on its batch mates); install or select backends that do")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -72,6 +81,8 @@ class LLMEngine:
         linear, _ = select_backend("deepinfer_linear_backend", config=config, device=self.device)
         mhc, _ = select_backend("deepinfer_mhc_backend", config=config, device=self.device)
         self.sampler, _ = select_backend("deepinfer_sampler", config=config, device=self.device)
+        if env.DEEPINFER_BATCH_INVARIANT:
+            _check_batch_invariant(attention=attention, moe=moe, linear=linear, mhc=mhc, sampler=self.sampler)
         dtype = config.torch_dtype(self.model_config.dtype)
         start = time.perf_counter()
         self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear, mhc=mhc,
@@ -86,6 +97,7 @@ class LLMEngine:
         if self.model.graph_blocker:
             self.graph_blockers.append(self.model.graph_blocker)
         self._set_up_feature_plugins()
+        self._step_contexts = self._collect_step_contexts()
         self._build_caches()
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
         self.step_metrics = StepMetrics()
@@ -97,6 +109,12 @@ class LLMEngine:
                         "the previous step's tokens)")
         self._inflight: InFlight | None = None
         self._structured = None  # the structured-outputs plugin, once a request asks for it
+
+    def _collect_step_contexts(self) -> list:
+        contexts = call_all("deepinfer_step_context", config=self.config, device=self.device)
+        for context in contexts:
+            logger.info("every step runs inside %s", getattr(context, "name", type(context).__name__))
+        return contexts
 
     def _set_up_feature_plugins(self) -> None:
         """Speculative decoding and prefill truncation, if a plugin offers them; an offer this engine cannot
@@ -227,10 +245,18 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Schedule and launch one forward pass; returns the requests found finished in this call.
 
+        Runs inside every context a plugin gave ``deepinfer_step_context`` (op overrides).
+
         With asynchronous scheduling the host resolves the previous step's tokens (detokenizing, stop checks) while
         the device runs this one, whose inputs take those tokens on the device (``core/inflight.py``), or on the
         host first when a model or a sampling penalty needs their values; otherwise it waits for this step's
         tokens before returning."""
+        with contextlib.ExitStack() as stack:
+            for context in self._step_contexts:
+                stack.enter_context(context)
+            return self._step()
+
+    def _step(self) -> list[Request]:
         clock = self._clock
         clock.start()
         # a grammar's mask for the next token needs the previous token accepted: no overlap while one runs

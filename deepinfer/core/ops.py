@@ -94,11 +94,16 @@ def compress_pool(state: torch.Tensor, rows: torch.Tensor, ratio: int, overlap: 
 def rotate_pairs(x: torch.Tensor, phases: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """Rotates the trailing ``rope_dim`` channels of ``x`` [T, D] or [T, heads, D], read as interleaved complex pairs
     (x[2i], x[2i+1]), by ``phases`` [T, rope_dim/2] (unit complex numbers); the leading channels are left alone.
-    One complex product instead of a dozen real ops, in fp32."""
-    pairs = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
+
+    In real arithmetic, in fp32: torch's vectorized complex product rounds differently (fused multiply-adds) from
+    the scalar loop that finishes a tensor whose size is not a multiple of the vector width, so a row's rotation
+    would depend on how many rows share the tensor."""
+    pairs = x[..., -rope_dim:].float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
     if x.dim() == 3:
         phases = phases.unsqueeze(1)
+    cos, sin = phases.real, phases.imag
     if inverse:
-        phases = phases.conj()
-    rotated = torch.view_as_real(pairs * phases).flatten(-2).to(x.dtype)
+        sin = -sin
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2).to(x.dtype)
     return torch.cat((x[..., :-rope_dim], rotated), dim=-1)

@@ -5,7 +5,8 @@ Every hook receives the engine configuration (``device`` is a ``torch.device``).
 first plugin that returns an object serves the hook and later plugins are not asked; a plugin
 declines by returning ``None``. Attention, MoE, linear, mHC and sampler must be served (the built-in
 reference plugins always answer); drafter, prefill truncation and logits processor may go
-unanswered, which means the feature is off. Plugins are asked in pluggy's order (latest
+unanswered, which means the feature is off. ``deepinfer_step_context``, like ``deepinfer_configure_engine``, asks
+every plugin. Plugins are asked in pluggy's order (latest
 registered first, so entry-point plugins before the built-ins; ``tryfirst``/``trylast``
 adjust it). Hook wrappers are not supported.
 """
@@ -69,3 +70,10 @@ def deepinfer_prefill_truncation(config, model_config):
 def deepinfer_logits_processor(config, tokenizer, vocab_size):
     """Return a ``LogitsProcessor`` for requests with ``so_args`` (structured outputs), or ``None``;
     ``vocab_size`` is the model's (its logits' width, which may exceed the tokenizer's)."""
+
+
+@hookspec
+def deepinfer_step_context(config, device):
+    """Return a context manager the engine enters around every step (forward passes, CUDA-graph captures, drafts and
+    sampling), or ``None``. Meant for torch-level op overrides such as a ``torch.overrides.TorchFunctionMode``;
+    the engine enters every plugin's context, in call order."""

@@ -7,6 +7,11 @@ Index tensors are int64 and use -1 for "no key here".
 Every backend also says whether its calls may be captured in a CUDA graph (``graph_safe``): no host
 synchronisation (``.item()``, ``.tolist()``, ``nonzero``, boolean-mask indexing) and output shapes that depend
 only on input shapes. The engine replays decode steps from CUDA graphs only when every backend of the model is.
+
+A backend may also declare ``batch_invariant = True``: a row's result depends on that row alone (for attention, on
+its own index list, not on how far the step padded it), inside the step context of batch-invariant mode (its
+products and row reductions in fixed tiles). With ``DEEPINFER_BATCH_INVARIANT=1`` the engine refuses a backend that
+does not declare it, so the mode never runs with a weaker guarantee than it names.
 """
 
 from __future__ import annotations

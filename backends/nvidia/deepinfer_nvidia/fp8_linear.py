@@ -111,9 +111,16 @@ def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int) -> torch.Tensor:
+# Batch-invariant mode's one configuration: tiles of different heights sum a row's K blocks differently (measured:
+# 16- and 32-row tiles agree, 64-row ones do not), so the autotuner's choice per token count must not apply.
+PINNED_TILES = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 4}
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int,
+               pinned: bool = False) -> torch.Tensor:
     """``x`` [..., K] times an e4m3 ``weight`` [N, K] with e8m0 ``scale`` tiles whose column edge is
-    ``activation_block``; returns [..., N] in ``x``'s dtype."""
+    ``activation_block``; returns [..., N] in ``x``'s dtype. ``pinned`` uses ``PINNED_TILES`` whatever the
+    token count (batch-invariant mode)."""
     n, k = weight.shape
     column_tile = infer_block(k, scale.shape[1])
     if column_tile != activation_block:
@@ -127,7 +134,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
             return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"])
 
         # the interpreter cannot time configurations: it runs the smallest tile
-        kernel, tiles = (_fp8_gemm_kernel, {"BM": 16, "BN": 32}) if _INTERPRETED else (_tuned_gemm(), {})
+        if _INTERPRETED:
+            kernel, tiles = _fp8_gemm_kernel, {"BM": 16, "BN": 32}
+        else:
+            kernel, tiles = (_fp8_gemm_kernel, PINNED_TILES) if pinned else (_tuned_gemm(), {})
         kernel[grid](q, sx, weight, _fp32_scales(scale), y, m, n, k, min(triton.next_power_of_2(m), 128),
                      q.stride(0), weight.stride(0), scale.shape[1], y.stride(0), NUM_BLOCKS=sx.shape[1],
                      W_ROW_TILE=infer_block(n, scale.shape[0]), BK=activation_block, NATIVE_FP8=_native_fp8(x.device),
@@ -186,13 +196,17 @@ class TritonLinear:
     name = "triton-fp8"
     graph_safe = True
 
-    def __init__(self, deep_gemm=None):
+    def __init__(self, deep_gemm=None, pinned: bool = False):
         self.deep_gemm = deep_gemm  # the deep_gemm module, or None
+        self.pinned = pinned  # one tile configuration for every token count (batch-invariant mode)
+        self.batch_invariant = pinned and deep_gemm is None
+        if pinned:
+            self.name = "triton-fp8, pinned tiles (batch-invariant)"
 
     def linear(self, x, weight, scale, activation_block):
         if weight.dtype == torch.float8_e4m3fn:
             if self.deep_gemm is not None and deep_gemm_serves(x, weight, scale, activation_block):
                 return deep_gemm_linear(self.deep_gemm, x, weight, scale)
-            return fp8_linear(x, weight, scale, activation_block)
+            return fp8_linear(x, weight, scale, activation_block, self.pinned)
         log_once(logger, logging.WARNING, "MXFP4 dense projections: no Triton kernel yet, the torch reference multiplies them")
         return blockwise_linear(x, weight, scale, activation_block)

@@ -112,6 +112,7 @@ def _block_d(width: int) -> int:
 class TritonMHC:
     name = "triton"
     graph_safe = True
+    batch_invariant = True  # one token's reductions per program
 
     def coefficients(self, logits, hc_mult, sinkhorn_iters, eps):
         n = hc_mult

@@ -209,7 +209,13 @@ def _tuned_fp4_experts():
                            prune_configs_by={"early_config_prune": fitting})(_fp4_experts_kernel)
 
 
-def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, v=None, v_scale=None, limit=0.0):
+# Batch-invariant mode's MXFP4 configuration: the K tile sets a row's summation order, so the autotuner's choice
+# (per rows per block) must not apply.
+PINNED_FP4_TILES = {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
+
+
+def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, v=None, v_scale=None, limit=0.0,
+                 pinned=False):
     """fp32 [len(out_rows), N]: rows of ``a`` (FP8-rounded here) times w, or swiglu of w and v when v is given."""
     aq, sa = act_quant(a.contiguous(), activation_block)
     n = w.shape[1]
@@ -222,8 +228,13 @@ def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, 
         return len(blocks[0]), triton.cdiv(n, meta["BN"])
 
     # the interpreter cannot time configurations: it runs one
-    kernel, tiles = ((_fp4_experts_kernel, {"BN": _grid(blocks, n)[1], "BK": 64 if w.shape[2] % 32 == 0 else 32})
-                     if _INTERPRETED or a.device.type != "cuda" else (_tuned_fp4_experts(), {}))
+    if _INTERPRETED or a.device.type != "cuda":
+        kernel, tiles = _fp4_experts_kernel, {"BN": _grid(blocks, n)[1], "BK": 64 if w.shape[2] % 32 == 0 else 32}
+    elif pinned:
+        k = 2 * w.shape[2]
+        kernel, tiles = _fp4_experts_kernel, PINNED_FP4_TILES | {"BK": max(bk for bk in (128, 64, 32) if k % bk == 0)}
+    else:
+        kernel, tiles = _tuned_fp4_experts(), {}
     kernel[grid](aq, sa, a_rows, w, v, scales, v_scale, out, out_rows, *blocks, n, limit, aq.stride(0), sa.stride(0),
                  w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), K=2 * w.shape[2],
                  ACT_BLOCK=activation_block, BLOCK_M=bm, SWIGLU=swiglu, NATIVE=a.device.type == "cuda", **tiles)
@@ -246,8 +257,12 @@ class TritonMoE:
     name = "triton"
     graph_safe = True
 
-    def __init__(self, reference):
+    def __init__(self, reference, pinned: bool = False):
         self.reference = reference  # serves FP8 experts, which no release ships
+        self.pinned = pinned  # 16-row blocks and one tile configuration whatever the batch (batch-invariant mode)
+        self.batch_invariant = pinned
+        if pinned:
+            self.name = "triton, pinned tiles (batch-invariant)"
 
     def routed_experts(self, x, topk_ids, topk_weights, weights):
         w1, w3, w2 = weights.w1, weights.w3, weights.w2
@@ -263,7 +278,7 @@ class TritonMoE:
         tokens, top_k = topk_ids.shape
         if tokens == 0:
             return torch.zeros_like(x)
-        bm = block_rows(topk_ids.numel(), w1.shape[0])
+        bm = SMALL_BM if self.pinned else block_rows(topk_ids.numel(), w1.shape[0])
         if moe_blocks.serves(topk_ids.numel()):  # decode: one launch instead of ~20 small ones
             order, token_of, sorted_rows, blocks = moe_blocks.expert_blocks(topk_ids, w1.shape[0], bm)
         else:
@@ -274,8 +289,8 @@ class TritonMoE:
         if fp4:
             block = weights.activation_block
             h = _fp4_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, block, w3, weights.w3_scale,
-                             limit)
-            down = _fp4_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, bm, block)
+                             limit, self.pinned)
+            down = _fp4_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, bm, block, pinned=self.pinned)
         else:
             h = _float_experts(x, token_of, sorted_rows, w1, blocks, bm, w3, limit)
             down = _float_experts(h, sorted_rows, order, w2, blocks, bm)

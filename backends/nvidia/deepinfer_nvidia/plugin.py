@@ -1,13 +1,27 @@
-"""Hook implementations: each answers only for CUDA devices, so on any other device the built-ins serve."""
+"""Hook implementations: each answers only for CUDA devices, so on any other device the built-ins serve.
+
+With ``DEEPINFER_BATCH_INVARIANT=1`` every kernel keeps one configuration whatever the batch: attention splits
+cover a fixed number of key tiles, the FP8 GEMM and the MXFP4 experts use pinned tiles, and FlashMLA and DeepGEMM
+(whose schedules follow the batch) are left unused.
+"""
 
 from __future__ import annotations
 
 import logging
 
+from deepinfer import envs
 from deepinfer.logger import init_logger, log_once
 from deepinfer.plugins import hookimpl
 
 logger = init_logger(__name__)
+
+# Batch-invariant attention: key tiles per split (256 keys of 512-wide bf16 rows). Larger splits leave small
+# decode batches fewer programs; smaller ones write more partial rows.
+INVARIANT_TILES_PER_SPLIT = 8
+
+
+def _invariant() -> bool:
+    return envs.get().DEEPINFER_BATCH_INVARIANT
 
 
 @hookimpl
@@ -17,6 +31,8 @@ def deepinfer_linear_backend(config, device):
     from deepinfer_nvidia.deepseek_kernels import deep_gemm
     from deepinfer_nvidia.fp8_linear import TritonLinear  # triton is imported only when a GPU will use it
 
+    if _invariant():
+        return TritonLinear(pinned=True)
     module, _ = deep_gemm()
     return TritonLinear(deep_gemm=module)
 
@@ -28,7 +44,7 @@ def deepinfer_moe_backend(config, device):
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
     from deepinfer_nvidia.moe import TritonMoE
 
-    return TritonMoE(reference=TorchMoE())
+    return TritonMoE(reference=TorchMoE(), pinned=_invariant())
 
 
 @hookimpl
@@ -38,6 +54,10 @@ def deepinfer_attention_backend(config, device):
     from deepinfer_nvidia.deepseek_kernels import deep_gemm, flash_mla, report
     from deepinfer_nvidia.sparse_attention import TritonAttention
 
+    if _invariant():
+        log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; batch-invariant mode: Triton serves "
+                                       "attention, GEMMs and MoE with fixed configurations")
+        return TritonAttention(tiles_per_split=INVARIANT_TILES_PER_SPLIT)
     sparse_decode, _ = flash_mla()
     fp8 = config.kv_cache_dtype == "fp8"
     serves = ("FlashMLA serves attention over the FP8 KV cache (64 or 128 heads), Triton the rest"

@@ -156,17 +156,18 @@ def _merge_kernel(part_ptr, stat_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh, 
     token, head = tl.program_id(0), tl.program_id(1)
     row = token * num_heads + head
     offs_s = tl.arange(0, SPLITS)
-    s_ok = offs_s < total
-    m = tl.load(stat_ptr + row * total + offs_s, mask=s_ok, other=float("-inf"))
-    l = tl.load(stat_ptr + (tl.num_programs(0) * num_heads + row) * total + offs_s, mask=s_ok, other=0.0)
+    m = tl.load(stat_ptr + row * total + offs_s, mask=offs_s < total, other=float("-inf"))
     sink = tl.load(sinks_ptr + head).to(tl.float32) * sink_scale
     top = tl.maximum(tl.max(m, axis=0), sink)
-    denominator = tl.sum(tl.where(s_ok, l * tl.exp2(m - top), 0.0), axis=0) + tl.exp2(sink - top)
+    # both sums in split order, one split at a time: splits past a row's keys then add exact zeros, so the result
+    # does not depend on how many splits the call has (batch-invariant mode fixes the split size)
+    denominator = tl.exp2(sink - top)
     offs_d = tl.arange(0, D)
     acc = tl.zeros((D,), dtype=tl.float32)
     s = 0
     while s < total:  # a while loop: the interpreter's range() wants a constexpr bound (see _attend)
         weight = tl.exp2(tl.load(stat_ptr + row * total + s) - top)
+        denominator += weight * tl.load(stat_ptr + (tl.num_programs(0) * num_heads + row) * total + s)
         acc += weight * tl.load(part_ptr + (row * total + s) * D + offs_d)
         s += 1
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, (acc / denominator).to(out_ptr.dtype.element_ty))
@@ -224,9 +225,14 @@ def _pool_args(pool) -> tuple[torch.Tensor, torch.Tensor, int]:
     return pool, pool, pool.stride(0)
 
 
-def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, splits: int | None = None):
+def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, splits: int | None = None,
+                     tiles_per_split: int | None = None):
     """The protocol's ``sparse_attention``; ``block_h`` and ``splits`` override the tiling (tests use them). Pools
-    are row tensors or FP8 rows (``deepinfer.core.fp8_kv``), not both in one call."""
+    are row tensors or FP8 rows (``deepinfer.core.fp8_kv``), not both in one call.
+
+    With ``tiles_per_split`` every split covers that many key tiles of each source, whatever the batch, and the
+    splits are always merged: a query's reduction order then depends only on its own index list (batch-invariant
+    mode). Otherwise the split count fills the device and a single split normalizes in the attention kernel."""
     num_tokens, num_heads, dim = q.shape
     _check_dim(dim, "the attention head dim")
     q = _unit_rows(q)
@@ -250,11 +256,13 @@ def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, split
     head_blocks = triton.cdiv(num_heads, block_h)
     groups = [sources[i:i + 2] for i in range(0, len(sources), 2)]
     tiles = [sum(triton.cdiv(idx.shape[1], block_n) for _, idx in group) for group in groups]
-    if splits is None:
+    if tiles_per_split is not None:
+        splits = max(1, *(triton.cdiv(triton.cdiv(idx.shape[1], block_n), tiles_per_split) for _, idx in sources))
+    elif splits is None:
         wanted = triton.cdiv(_parallelism(q.device), num_tokens * head_blocks * len(groups))
         splits = max(1, min(wanted, max(tiles) // MIN_TILES_PER_SPLIT))
     total = splits * len(groups)
-    final = total == 1
+    final = total == 1 and tiles_per_split is None
     part = stat = out  # unused placeholders when the kernel writes the output itself
     if not final:
         part = torch.empty(num_tokens, num_heads, total, dim, dtype=torch.float32, device=q.device)
@@ -262,7 +270,8 @@ def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, split
     options = _launch_options(sources[0][0].dtype, q.device)
     for g, group in enumerate(groups):
         (a, ia), (b, ib) = group[0], group[-1]  # a lone source passes itself twice, and HAS_B drops the copy
-        tiles_a, tiles_b = (triton.cdiv(triton.cdiv(idx.shape[1], block_n), splits) for idx in (ia, ib))
+        tiles_a, tiles_b = (tiles_per_split or triton.cdiv(triton.cdiv(idx.shape[1], block_n), splits)
+                            for idx in (ia, ib))
         _attention_kernel[(num_tokens, head_blocks, splits)](
             q, q.stride(0), q.stride(1), *_pool_args(a), ia, ia.stride(0), ia.stride(1), ia.shape[1], tiles_a,
             *_pool_args(b), ib, ib.stride(0), ib.stride(1), ib.shape[1], tiles_b,
@@ -320,13 +329,17 @@ class TritonAttention:
     name = "triton"
     graph_safe = True
 
-    def __init__(self, flash_mla=None):
+    def __init__(self, flash_mla=None, tiles_per_split: int | None = None):
         self.flash_mla = flash_mla  # deepseek_kernels.flash_mla()'s function, or None
+        self.tiles_per_split = tiles_per_split  # fixed split size (batch-invariant mode), or None
+        self.batch_invariant = tiles_per_split is not None and flash_mla is None
+        if tiles_per_split is not None:
+            self.name = f"triton, {tiles_per_split} key tiles per split (batch-invariant)"
 
     def sparse_attention(self, q, sources, sinks, scale):
         if self.flash_mla is not None and q.shape[0] and _flashmla_serves(q, sources):
             return _flashmla_attention(self.flash_mla, q, sources, sinks, scale)
-        return sparse_attention(q, sources, sinks, scale)
+        return sparse_attention(q, sources, sinks, scale, tiles_per_split=self.tiles_per_split)
 
     def store_rows(self, pool, slots, rows):
         store_rows(pool, slots, rows)

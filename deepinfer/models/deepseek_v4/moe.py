@@ -51,7 +51,9 @@ class MoE(nn.Module):
         if self.is_hash:
             ids = self.gate.tid2eid[token_ids].long()
         else:
-            ids = torch.topk(scores + self.gate.bias, self.top_k, dim=-1, sorted=False).indices
+            # sorted: the slots' order sets the order their outputs are summed in, and an unsorted top-k's order is
+            # whatever its algorithm, chosen by the tensor's size, leaves
+            ids = torch.topk(scores + self.gate.bias, self.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

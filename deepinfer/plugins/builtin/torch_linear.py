@@ -9,6 +9,7 @@ from deepinfer.plugins.hookspecs import hookimpl
 class TorchLinear:
     name = "torch-reference"
     graph_safe = True
+    batch_invariant = True
 
     def linear(self, x, weight, scale, activation_block):
         return blockwise_linear(x, weight, scale, activation_block)

@@ -10,6 +10,7 @@ from deepinfer.plugins.hookspecs import hookimpl
 class TorchMHC:
     name = "torch-reference"
     graph_safe = True
+    batch_invariant = True
 
     def coefficients(self, logits, hc_mult, sinkhorn_iters, eps):
         return mhc_coefficients(logits, hc_mult, sinkhorn_iters, eps)

@@ -15,6 +15,7 @@ def _scale(scales: torch.Tensor | None, expert: int) -> torch.Tensor | None:
 class TorchMoE:
     name = "torch-reference"
     graph_safe = False  # loops over the experts that received tokens, which the host must know
+    batch_invariant = True  # a token's experts are summed in expert order, whoever else was routed there
 
     def routed_experts(self, x, topk_ids, topk_weights, weights):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -26,6 +26,7 @@ def deepinfer_sampler(config, device):
 @dataclass(slots=True)
 class TorchSampler:
     name: str = "torch-reference"
+    batch_invariant: bool = True
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()

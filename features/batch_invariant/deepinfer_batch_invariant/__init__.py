@@ -1,0 +1,1 @@
+"""Batch-invariant mode: a request's logits and samples do not depend on its batch mates."""
