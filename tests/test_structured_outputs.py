@@ -15,6 +15,7 @@ plugin = pytest.importorskip("deepinfer_structured_outputs.plugin",
                              reason="features/structured_outputs is not installed (build.sh installs it)")
 jsonschema = pytest.importorskip("jsonschema")
 lark = pytest.importorskip("lark")
+from deepinfer_structured_outputs.ebnf import to_xgrammar  # noqa: E402
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 1, "maxLength": 12},
@@ -81,6 +82,23 @@ def test_regex_and_ebnf_outputs_match_in_full(llm, sampling):
             lark.Lark(LARK).parse(text)
 
 
+# the same list in the other accepted forms: ISO-style rules, braces, single quotes, comments, no root rule
+ISO_EBNF = "(* a list of numbers *)\nlist = '[' num { ',' num } ']' ;\nnum = [1-9] [0-9]? ;  # one or two digits"
+ISO_LARK = 'start: "[" NUM ("," NUM)* "]"\nNUM: /[1-9][0-9]?/'
+
+
+def test_ebnf_in_the_other_accepted_forms_is_converted():
+    assert to_xgrammar(ISO_EBNF) == 'root ::= list\nlist ::= "[" num ("," num)* "]"\nnum ::= [1-9] [0-9]?'
+    assert to_xgrammar("""greeting : ("hi" | 'it\\'s'){1,2} [A-Z]""") == 'root ::= greeting\ngreeting ::= ("hi" | "it\'s"){1,2} [A-Z]'
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), SAMPLED], ids=["greedy", "sampled"])
+def test_converted_ebnf_outputs_parse(llm, sampling):
+    outputs = llm.generate(PROMPTS, _params("ebnf", ISO_EBNF, **sampling), use_tqdm=False)
+    for output in outputs:
+        lark.Lark(ISO_LARK).parse(output.outputs[0].text)
+
+
 def test_unconstrained_batch_mates_are_untouched_and_n_samples_each_obey(llm):
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = llm.generate(PROMPTS[:1], plain, use_tqdm=False)
@@ -102,6 +120,28 @@ def test_seeded_constrained_sampling_repeats_whatever_the_batch_and_the_scheduli
         synchronous = LLM("deepinfer-tiny-v4.1", dtype="float32")
         synchronous.engine.structured_outputs()
     assert synchronous.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+def test_masks_are_filled_while_the_forward_pass_runs_with_the_same_outputs(llm, monkeypatch):
+    """With asynchronous scheduling a step is launched before the previous step's tokens are known; a grammar's
+    mask waits for them only after the launch. Requests whose grammar ends (a short regex) are found finished a
+    step late and their extra row is skipped; outputs are those of waiting for every step."""
+    params = [_params("regex", REGEXES[1], temperature=0), _params("json", PERSON, **SAMPLED),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), _params("regex", REGEXES[0], **SAMPLED)]
+    prompts = PROMPTS + PROMPTS[:1]
+    engine, events = llm.engine, []
+    build, resolve = engine.batch_builder.build, engine._resolve
+    monkeypatch.setattr(engine.batch_builder, "build", lambda *a: events.append("launch") or build(*a))
+    monkeypatch.setattr(engine, "_resolve", lambda: events.append("resolve") or resolve())
+    overlapped = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert events[:3] == ["launch", "launch", "resolve"]  # step 2 launched before step 1's tokens were resolved
+
+    monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "0")
+    envs.reload()
+    with registered(plugin, "structured_outputs"):
+        synchronous = LLM("deepinfer-tiny-v4.1", dtype="float32")
+        synchronous.engine.structured_outputs()
+    assert [[c.token_ids for c in o.outputs] for o in synchronous.generate(prompts, params, use_tqdm=False)] == overlapped
 
 
 def test_running_out_of_tokens_before_the_grammar_ends_is_a_length_finish(llm):
@@ -154,7 +194,11 @@ def test_drafts_are_checked_against_the_grammar_and_rolled_back(monkeypatch, sam
     ({"schema_type": "json", "schema": '{"type": "object"'}, "not valid JSON"),
     ({"schema_type": "json", "schema": {"type": "strin"}}, 'Unsupported type "strin"'),
     ({"schema_type": "regex", "schema": "a(b"}, "regex schema cannot be compiled: .*parenthesis"),
-    ({"schema_type": "ebnf", "schema": 'root ::= "a" | b'}, r"line 1, column \d+: Rule \"b\" is not defined"),
+    ({"schema_type": "ebnf", "schema": 'root ::= "a" | b'}, r"rule 'b' \(line 1, column 16\) is not defined"),
+    ({"schema_type": "ebnf", "schema": 'root ::= "a" |'}, "the grammar ends too early; expected '\\('"),
+    ({"schema_type": "ebnf", "schema": 'root ::= item+\nitem ::= "a" @ "b"'}, "line 2, column 14, at '@'"),
+    ({"schema_type": "ebnf", "schema": 'a ::= "x"\na ::= "y"'}, r"rule 'a' is defined twice \(lines 1 and 2\)"),
+    ({"schema_type": "ebnf", "schema": 'root ::= [z-a]'}, "ebnf schema cannot be compiled"),
 ])
 def test_what_cannot_be_enforced_is_refused_when_submitted(llm, so_args, message):
     with pytest.raises(ValueError, match=message):

@@ -25,7 +25,7 @@ REGEXES = [
     r"(Mon|Tue|Wed|Thu|Fri|Sat|Sun)day?", r"\w+=\w+(&\w+=\w+)*",
 ]
 
-# (xgrammar's EBNF, the same language for lark)
+# (EBNF as a user writes it, the same language for lark)
 GRAMMARS = [
     ('root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [1-9] [0-9]?',
      'start: "(" expr ")"\nexpr: NUM | NUM "+" expr\nNUM: /[1-9][0-9]?/'),
@@ -39,6 +39,13 @@ GRAMMARS = [
     ('root ::= "<" tag ">" [a-z ]* "</" tag ">"\ntag ::= "b" | "i" | "em"',
      'start: "<" TAG ">" TEXT? "</" TAG ">"\nTAG: "b" | "i" | "em"\nTEXT: /[a-z ]+/'),
     ('root ::= stmt+\nstmt ::= [a-z] "=" [0-9] "\\n"', 'start: STMT+\nSTMT: /[a-z]=[0-9]\\n/'),
+    # the other accepted forms, converted (ISO-style rules and braces, lark-style colons, single quotes, comments)
+    ("(* numbers *)\nlist = '[' num { ',' num } ']' ;\nnum = [1-9] [0-9]? ;",
+     'start: "[" NUM ("," NUM)* "]"\nNUM: /[1-9][0-9]?/'),
+    ("call: name '(' args? ')'  # no root rule: the first one\nargs: name {', ' name}\nname: [a-z]{1,6}",
+     'start: NAME "(" args? ")"\nargs: NAME (", " NAME)*\nNAME: /[a-z]{1,6}/'),
+    ("pair = key ':' ' '? value ;\nkey = [a-z]+ ;\nvalue = 'true' | 'false' | [0-9]{1,3} ;",
+     'start: KEY ":" " "? VALUE\nKEY: /[a-z]+/\nVALUE: "true" | "false" | /[0-9]{1,3}/'),
 ]
 PROMPTS = ["def fibonacci(n):", "import os\n", '"""Return the', "Answer: "]
 

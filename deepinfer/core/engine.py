@@ -259,16 +259,14 @@ class LLMEngine:
     def _step(self) -> list[Request]:
         clock = self._clock
         clock.start()
-        # a grammar's mask for the next token needs the previous token accepted: no overlap while one runs
-        early = self._resolve() if self._inflight is not None and self._constrained() else []
         scheduled = self.scheduler.schedule()
         clock.lap("schedule")
         if not scheduled:
-            return early + (self._resolve() if self._inflight is not None else [])
+            return self._resolve() if self._inflight is not None else []
         tokens_on_host = self._inflight is not None and self._needs_host_tokens(scheduled)
         if tokens_on_host:  # only the values: the outputs (detokenizing, stop checks) still overlap this step
             self._inflight.write_tokens(clock)
-        finished = early
+        finished = []
         self.step_metrics.steps += 1
         sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
         started = None
@@ -293,6 +291,10 @@ class LLMEngine:
         launched = None
         if sampling_requests:
             rows = [(r, 0) for r in sampling_requests]
+            if self._inflight is not None and any(r.grammar is not None for r in sampling_requests):
+                # a grammar's mask needs the previous token accepted: the previous step is resolved now, while
+                # the device runs this step's forward pass (a request it finishes has a row here, discarded later)
+                finished += self._resolve()
             apply_grammar_masks(logits, rows)
             sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
             launched = InFlight.launch(sampling_requests, self.sampler.sample(logits, sampling), started, clock)
@@ -338,9 +340,6 @@ class LLMEngine:
         self.speculator.draft(self.scheduler.running, kept)
         self._clock.lap("draft")
         return finished
-
-    def _constrained(self) -> bool:
-        return any(r.grammar is not None for r in self.scheduler.running)
 
     def structured_outputs(self):
         """The structured-outputs plugin's ``LogitsProcessor``, loaded on first use (it reads the tokenizer's

@@ -12,8 +12,9 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple]) -> None:
     """Sets to -inf, in place, the logits [R, vocab] of tokens each row's grammar forbids. ``rows`` holds each
     row's (request, j): the row after its ``j``-th draft (speculative decoding), its mask the grammar's state
     after those drafts; a request's rows come together, j = 0, 1, .... Unconstrained rows are left as they are,
-    and nothing runs when no row is constrained."""
-    constrained = [i for i, (request, _) in enumerate(rows) if request.grammar is not None]
+    and so are the rows of requests found finished after this step was scheduled (their tokens are discarded);
+    nothing runs when no row is constrained."""
+    constrained = [i for i, (request, _) in enumerate(rows) if request.grammar is not None and not request.finished]
     if not constrained:
         return
     vocab = logits.shape[-1]

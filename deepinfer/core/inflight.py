@@ -42,6 +42,9 @@ class InFlight:
     def launch(cls, requests: list[Request], sampled: SamplerOutput, started, clock) -> "InFlight":
         positions = []
         for request in requests:
+            if request.finished:  # found finished after this step was launched (structured outputs): row discarded
+                positions.append(-1)
+                continue
             positions.append(len(request.token_ids))
             request.token_ids.append(PLACEHOLDER)
         host = SamplerOutput(*(_to_host(getattr(sampled, name)) for name in SamplerOutput.__dataclass_fields__))

@@ -14,6 +14,7 @@ import torch
 import xgrammar as xgr
 
 from deepinfer.plugins.hookspecs import hookimpl
+from deepinfer_structured_outputs.ebnf import to_xgrammar
 
 # Keywords xgrammar 0.2 compiles but does not enforce, with why: found by probing each with a violating instance
 # the matcher accepts (tests/test_structured_outputs.py) and by tools/json_schema_suite.py (the
@@ -128,6 +129,11 @@ class XGrammarOutputs:
                 raise ValueError("so_args: this JSON schema uses keywords the matcher cannot enforce, so outputs "
                                  "could break it: " + "; ".join(unenforced))
             text = json.dumps(schema, sort_keys=True)
+        elif kind == "ebnf":
+            try:
+                text = to_xgrammar(schema)
+            except ValueError as exc:
+                raise ValueError(f"so_args: {exc}") from None
         else:
             text = schema
         return self._compile(kind, text)
