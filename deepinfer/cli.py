@@ -10,12 +10,20 @@ import torch
 # (subnormal floats make CPU kernels ~100x slower; see LLMEngine).
 torch.set_flush_denormal(True)
 
-from deepinfer import bench, bench_load, bench_replay, bench_speculative, bench_structured  # noqa: E402
+from deepinfer import bench, bench_load, bench_replay, bench_speculative, bench_structured, cli_commands  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="deepinfer")
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: offline inference for DeepSeek-V4 models")
     commands = parser.add_subparsers(dest="command", required=True)
+    cli_commands.add_generate_arguments(commands.add_parser(
+        "generate", help="complete prompts and print the outputs",
+        description="Complete prompts (arguments or --prompts-file; a literal \\n in a file's line is a newline) "
+                    "and print each prompt with its completion, or JSON with --json. Greedy unless --temperature."))
+    cli_commands.add_plugins_arguments(commands.add_parser(
+        "plugins", help="registered plugins, their versions and hooks"))
+    cli_commands.add_env_arguments(commands.add_parser(
+        "env", help="every DEEPINFER_* variable: value, default, meaning"))
     bench_parser = commands.add_parser("bench", help="benchmarks")
     kinds = bench_parser.add_subparsers(dest="kind", required=True)
     bench.add_throughput_arguments(kinds.add_parser("throughput", help="offline throughput, optionally against HF"))
@@ -27,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "bench":
         (bench_load.main if args.kind == "load" else bench.main)(args)
+    else:
+        args.run(args)
 
 
 if __name__ == "__main__":

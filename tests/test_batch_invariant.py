@@ -22,11 +22,16 @@ from deepinfer.plugins.manager import PluginError, registered
 from deepinfer.testing.batch_mates import TARGET, outputs_among_random_batches
 
 pytest.importorskip("deepinfer_batch_invariant.plugin", reason="features/batch_invariant is not installed (build.sh)")
+from deepinfer_batch_invariant import cpu_checks  # noqa: E402
 from deepinfer_batch_invariant.attention import KEY_BLOCK, BlockedTorchAttention  # noqa: E402
 from deepinfer_batch_invariant.fixed_tiles import FixedRowTiles, _einsum_token_dim  # noqa: E402
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the mode refuses to start on a CPU whose kernels break what it rests on (cpu_checks); there it has nothing to test
+CPU_PROBLEMS = cpu_checks.cpu_problems(16)
+cpu_holds = pytest.mark.skipif(bool(CPU_PROBLEMS), reason="; ".join(CPU_PROBLEMS))
+DEVICES = [pytest.param("cpu", marks=cpu_holds)]
+DEVICES += ["cuda"] if torch.cuda.is_available() else []
 
 
 @contextlib.contextmanager
@@ -60,6 +65,7 @@ def test_v41_request_gives_one_output_in_random_batches(monkeypatch, device):
     assert len(outputs) == 1, f"{len(outputs)} different outputs in 8 runs: {sorted(outputs.values())}"
 
 
+@cpu_holds
 def test_without_the_mode_the_same_batches_change_the_output(tiny_v4_checkpoint, monkeypatch):
     """The harness can fail: without the mode, batch mates move the target's logprobs."""
     outputs = outputs_among_random_batches(_maker(str(tiny_v4_checkpoint), "cpu", monkeypatch, invariant=False),
@@ -93,6 +99,13 @@ def test_combinations_that_cannot_be_invariant_are_refused(tiny_v4_checkpoint, m
             _maker(str(tiny_v4_checkpoint), "cpu", monkeypatch)()
 
 
+def test_a_cpu_that_breaks_the_modes_assumptions_is_refused(tiny_v4_checkpoint, monkeypatch):
+    assert cpu_checks.cpu_problems.__wrapped__(16) == CPU_PROBLEMS  # the checks are repeatable
+    monkeypatch.setattr(cpu_checks, "cpu_problems", lambda rows: ["exp rounds an element differently"])
+    with pytest.raises(PluginError, match="cannot hold on this CPU: exp rounds an element differently"):
+        _maker(str(tiny_v4_checkpoint), "cpu", monkeypatch)()
+
+
 def test_backends_that_do_not_declare_invariance_are_refused(tiny_v4_checkpoint, monkeypatch):
     class PaddedWidth(TorchAttention):  # the reference reduces over the padded width: it declares False
         name = "padded-width"
@@ -109,6 +122,7 @@ def test_backends_that_do_not_declare_invariance_are_refused(tiny_v4_checkpoint,
 
 # --- the pieces, on fresh random inputs
 
+@cpu_holds
 def test_row_tiles_make_a_rows_product_independent_of_the_row_count():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(300, 256, generator=g), torch.randn(192, 256, generator=g)
@@ -129,6 +143,7 @@ def test_einsum_row_index(equation, expected):
     assert _einsum_token_dim(equation) == expected
 
 
+@cpu_holds
 @pytest.mark.parametrize("name, function", [("sigmoid", torch.sigmoid), ("silu", F.silu), ("softplus", F.softplus)])
 def test_tail_safe_functions(name, function):
     """Close to torch's, and an element's value does not depend on where the vector loop ends."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from deepinfer import envs
 from deepinfer.plugins.hookspecs import hookimpl
+from deepinfer_batch_invariant import cpu_checks
 from deepinfer_batch_invariant.attention import BlockedTorchAttention
 from deepinfer_batch_invariant.fixed_tiles import FixedRowTiles
 
@@ -47,6 +48,9 @@ def deepinfer_step_context(config, device):
         raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1 has no fixed tiling for {device.type} devices "
                          f"(supported: {', '.join(TILE_ROWS)})")
     on_cpu = device.type == "cpu"
+    problems = cpu_checks.cpu_problems(TILE_ROWS["cpu"]) if on_cpu else []
+    if problems:
+        raise ValueError("DEEPINFER_BATCH_INVARIANT=1 cannot hold on this CPU: " + "; ".join(problems))
     return FixedRowTiles(TILE_ROWS[device.type], tile_reductions=True, exact_tails=on_cpu)
 
 

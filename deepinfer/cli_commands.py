@@ -1,0 +1,104 @@
+"""``deepinfer generate``, ``deepinfer plugins`` and ``deepinfer env``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from deepinfer import envs
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to complete (or --prompts-file)")
+    parser.add_argument("--prompts-file", help="a file of prompts, one per line ('-': standard input)")
+    parser.add_argument("--model", help="checkpoint directory or hub id (default: DeepSeek-V4.1-Flash, or "
+                                        "DEEPINFER_HF_MODEL_DIR); deepinfer-tiny-v4.1 is the embedded model")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, npu, npu:N")
+    engine.add_argument("--quantization", default="auto", choices=["auto", "none"])
+    engine.add_argument("--max-model-len", type=int)
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    sampling = parser.add_argument_group("sampling (vLLM's SamplingParams)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default here)")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--max-tokens", type=int, default=64)
+    sampling.add_argument("--min-tokens", type=int, default=0)
+    sampling.add_argument("--n", type=int, default=1, help="completions per prompt")
+    sampling.add_argument("--seq-seed", type=int, help="deterministic sampling: noise keyed by (seed, position, token)")
+    sampling.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument("--logprobs", type=int, help="top log-probabilities per token (with --json)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt instead of the text")
+    parser.set_defaults(run=run_generate)
+
+
+def _prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
+        with stream:
+            prompts += [line.rstrip("\n").replace("\\n", "\n") for line in stream if line.strip()]
+    if not prompts:
+        raise SystemExit("deepinfer generate: give prompts as arguments or with --prompts-file")
+    return prompts
+
+
+def run_generate(args) -> None:
+    from deepinfer import LLM, SamplingParams
+
+    prompts = _prompts(args)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                            seq_seed=args.seq_seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+              max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
+    for output in llm.generate(prompts, params, use_tqdm=sys.stderr.isatty()):
+        if args.json:
+            print(json.dumps({"prompt": output.prompt, "outputs": [
+                {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                 "cumulative_logprob": c.cumulative_logprob,
+                 "logprobs": None if c.logprobs is None else
+                 [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]}
+                for c in output.outputs]}))
+            continue
+        for completion in output.outputs:
+            print(output.prompt + completion.text)
+            print(f"--- {completion.finish_reason}, {len(completion.token_ids)} tokens")
+
+
+def add_env_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(run=run_env)
+
+
+def run_env(args) -> None:
+    """Every DEEPINFER_* variable: its value here (set or default), its default and meaning."""
+    parsed = envs.get()
+    for variable in envs.VARIABLES:
+        value = getattr(parsed, variable.name)
+        where = "set" if variable.name in os.environ else "default"
+        shown = "unset" if value is None else (int(value) if isinstance(value, bool) else value)
+        kind, meaning = (_plain(text) for text in (variable.type_label(), variable.meaning))
+        print(f"{variable.name}={shown} ({where}; {kind}) {meaning}")
+
+
+def _plain(markdown: str) -> str:
+    return markdown.replace("`", "").replace("\\|", "|")
+
+
+def add_plugins_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(run=run_plugins)
+
+
+def run_plugins(args) -> None:
+    """The registered plugins (built-ins and installed entry points), their versions and the hooks they serve."""
+    from deepinfer.plugins.manager import list_plugins, load_plugins
+
+    load_plugins()
+    for plugin in list_plugins():
+        print(f"{plugin['name']} {plugin['version']}: {', '.join(plugin['hooks']) or 'no hooks'}")
