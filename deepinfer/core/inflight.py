@@ -42,7 +42,7 @@ class InFlight:
     def launch(cls, requests: list[Request], sampled: SamplerOutput, started, clock) -> "InFlight":
         positions = []
         for request in requests:
-            if request.finished:  # found finished after this step was launched (structured outputs): row discarded
+            if request.finished:  # found finished after this step was scheduled (structured outputs): row discarded
                 positions.append(-1)
                 continue
             positions.append(len(request.token_ids))

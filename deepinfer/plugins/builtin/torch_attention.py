@@ -21,7 +21,7 @@ def _query_chunks(num_tokens: int, keys_per_query: int, dim: int):
 class TorchAttention:
     name = "torch-reference"
     graph_safe = True
-    batch_invariant = False  # softmax and products over the padded width: features/batch_invariant's blocked one is
+    batch_invariant = False  # reduces over the padded width; features/batch_invariant serves a blocked variant
 
     def store_rows(self, pool, slots, rows):
         fp8_kv.store(pool, slots, rows)
