@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> None:
         "generate", help="complete prompts and print the outputs",
         description="Complete prompts (arguments or --prompts-file; a literal \\n in a file's line is a newline) "
                     "and print each prompt with its completion, or JSON with --json. Greedy unless --temperature."))
+    cli_commands.add_chat_arguments(commands.add_parser(
+        "chat", help="talk to the model: a line per message, answers streamed",
+        description="A DeepSeek-V4 chat on standard input: each line is a user message, each answer is streamed "
+                    "to standard output. /reset forgets the conversation; /exit or the end of input leaves."))
     cli_commands.add_plugins_arguments(commands.add_parser(
         "plugins", help="registered plugins, their versions and hooks"))
     cli_commands.add_env_arguments(commands.add_parser(

@@ -1,4 +1,4 @@
-"""``deepinfer generate``, ``deepinfer plugins`` and ``deepinfer env``."""
+"""``deepinfer generate``, ``deepinfer chat``, ``deepinfer plugins`` and ``deepinfer env``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,49 @@ def run_generate(args) -> None:
         for completion in output.outputs:
             print(output.prompt + completion.text)
             print(f"--- {completion.finish_reason}, {len(completion.token_ids)} tokens")
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="as for generate")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--system", help="a system message opening the conversation")
+    parser.add_argument("--thinking", action="store_true", help="the model reasons (<think>) before answering")
+    parser.add_argument("--temperature", type=float, default=1.0, help="DeepSeek's recommendation: 1.0")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=512, help="per answer")
+    parser.add_argument("--seq-seed", type=int)
+    parser.set_defaults(run=run_chat)
+
+
+def run_chat(args) -> None:
+    """Reads a user message per line from standard input and streams each answer; '/reset' forgets the
+    conversation, '/exit' or the end of input leaves."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seq_seed=args.seq_seed)
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(opening)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            messages = list(opening)
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        answer = ""
+        for piece in llm.stream(llm.chat_prompt(messages, args.thinking), params):
+            answer += piece
+            print(piece, end="", flush=True)
+        print()
+        # the next turn replays the answer without its reasoning, as the chat encoding does
+        messages.append({"role": "assistant", "content": answer.split("</think>", 1)[-1]})
 
 
 def add_env_arguments(parser: argparse.ArgumentParser) -> None:

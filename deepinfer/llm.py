@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from deepinfer.chat_encoding import encode_chat
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import LLMEngine
 from deepinfer.core.request import Request
@@ -42,6 +43,39 @@ class LLM:
         groups = [self._submit(prompt, p) for prompt, p in zip(prompt_list, params)]
         self._run(groups, use_tqdm)
         return [self._request_output(group) for group in groups]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        thinking: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answers one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, encoded as
+        DeepSeek-V4 chats (``deepinfer.chat_encoding``); ``thinking`` opens the answer with ``<think>``."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.chat_prompt(c, thinking) for c in conversations], sampling_params, use_tqdm)
+
+    def chat_prompt(self, messages: list[dict], thinking: bool = False) -> list[int]:
+        """A conversation's prompt token ids (the encoding carries its own BOS: none is added)."""
+        return self.tokenizer.encode(encode_chat(messages, thinking), add_special_tokens=False)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generates one completion of ``prompt``, yielding its text as it grows (pieces held back while they
+        could still become a stop string come once they cannot)."""
+        params = _as_params_list(sampling_params, 1)[0]
+        if params.n != 1:
+            raise ValueError(f"stream generates one completion; got n={params.n}")
+        if params.so_args is not None:
+            self._check_structured_outputs([params])
+        (request,) = self._submit(_as_prompt_list(prompt)[0], params)
+        shown = 0
+        while self.engine.has_unfinished():
+            self.engine.step()
+            text = request.detokenizer.text
+            if len(text) > shown:
+                yield text[shown:]
+                shown = len(text)
 
     def _check_structured_outputs(self, params: list[SamplingParams]) -> None:
         """Every ``so_args`` checked (and compiled) before any request starts."""

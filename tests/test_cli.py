@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -68,3 +69,17 @@ def test_help_texts(argv, capsys):
     assert out.startswith("usage: deepinfer")
     if not argv:
         assert all(command in out for command in ("generate", "plugins", "env", "bench"))
+
+
+def test_chat_streams_two_turns_with_the_history(capsys, monkeypatch):
+    """Each line is a user turn; the second is encoded after the first answer; /exit ends before the last line."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("Write a function\nAnd a class\n/exit\nnever read\n"))
+    main(["chat", "--model", EMBEDDED, "--dtype", "float32", "--temperature", "0", "--max-tokens", "8", "--system",
+          "Python only."])
+    printed = capsys.readouterr().out
+    llm, greedy = LLM(EMBEDDED, dtype="float32"), SamplingParams(temperature=0, max_tokens=8)
+    history = [{"role": "system", "content": "Python only."}, {"role": "user", "content": "Write a function"}]
+    first = llm.chat(history, greedy, use_tqdm=False)[0].outputs[0].text
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "And a class"}]
+    second = llm.chat(history, greedy, use_tqdm=False)[0].outputs[0].text
+    assert printed == first + "\n" + second + "\n"
