@@ -12,10 +12,12 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import LLMEngine
 from deepinfer.core.request import Request
 from deepinfer.core.speculation import log_summary
+from deepinfer.logger import init_logger
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+logger = init_logger(__name__)
 
 
 class LLM:
@@ -127,6 +129,14 @@ class LLM:
                 bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.1f} toks/s, output: {output_tokens / elapsed:.1f} toks/s")
                 bar.update(completed)
         bar.close()
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        output_tokens = sum(r.num_output_tokens for g in groups for r in g)
+        counters = self.engine.counters()
+        logger.info("generate: %d prompts, %d prompt tokens, %d generated in %.2f s (%.1f tok/s in, %.1f out); "
+                    "since the engine started: %d preemptions, %d of %d prompt tokens from the prefix cache",
+                    len(groups), prompt_tokens, output_tokens, elapsed, prompt_tokens / elapsed,
+                    output_tokens / elapsed, counters["preemptions"], counters["cached_prompt_tokens"],
+                    counters["prompt_tokens"])
         log_summary(self.engine.speculator)
 
     @staticmethod

@@ -266,3 +266,18 @@ def test_feature_switch_without_its_plugin_is_an_error(tiny_v4_checkpoint, monke
     envs.reload()
     with pytest.raises(ValueError, match=f"{variable}={value} needs the {distribution} plugin"):
         LLM(str(tiny_v4_checkpoint), dtype="float32")
+
+
+def test_engine_counters_add_up(tiny_v4_checkpoint, caplog):
+    llm = LLM(str(tiny_v4_checkpoint), dtype="float32", num_cache_tokens=256, block_size=16)
+    prompts = [list(range(3, 60)), list(range(3, 60)), [5] * 30]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    counters = llm.engine.counters()
+    assert counters["prompt_tokens"] == sum(map(len, prompts))
+    assert counters["generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in outputs) == 60
+    assert counters["finished_requests"] == 3 and counters["running"] == counters["waiting"] == 0
+    assert counters["cached_prompt_tokens"] == sum(o.metrics.num_cached_tokens for o in outputs)
+    assert counters["preemptions"] == llm.engine.scheduler.num_preemptions
+    assert counters["steps"] >= 20 and set(counters["cache_usage"]) and all(
+        0 <= used <= 1 for used in counters["cache_usage"].values())
+    assert "generate: 3 prompts, 144 prompt tokens, 60 generated" in caplog.text

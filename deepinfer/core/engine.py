@@ -24,7 +24,7 @@ from deepinfer.core.request import Request
 from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.scheduler import Scheduler, SchedulerLimits
 from deepinfer.core.speculation import Speculator, accepted_count
-from deepinfer.core.step_metrics import StepClock, StepMetrics
+from deepinfer.core.step_metrics import EngineTotals, StepClock, StepMetrics
 from deepinfer.core.tokenizer import load_tokenizer
 from deepinfer.logger import init_logger
 from deepinfer.models.loader import load_model
@@ -101,6 +101,7 @@ class LLMEngine:
         self._build_caches()
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
         self.step_metrics = StepMetrics()
+        self.totals = EngineTotals()
         self._clock = StepClock(self.step_metrics, self.device)
         # drafts follow a request's last token, so a step's tokens are verified before the next step is scheduled
         self.async_scheduling = env.DEEPINFER_ASYNC_SCHEDULING and self.speculator is None
@@ -237,6 +238,7 @@ class LLMEngine:
             request.grammar = self.structured_outputs().matcher(request.params.so_args)
         self.outputs.start(request)
         self.scheduler.add(request)
+        self.totals.prompt_tokens += len(request.prompt_token_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -268,6 +270,7 @@ class LLMEngine:
             self._inflight.write_tokens(clock)
         finished = []
         self.step_metrics.steps += 1
+        self.totals.steps += 1
         sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
         started = None
 
@@ -334,8 +337,7 @@ class LLMEngine:
                 kept.append(ComputedRows(request, row, start, n - rejected.get(id(request), 0)))
             row += n
         self.scheduler.step_done([(k.request, k.position, k.count) for k in kept])
-        for request in finished:
-            self.scheduler.finish(request)
+        self._finish(finished)
         self._clock.lap("outputs")
         self.speculator.draft(self.scheduler.running, kept)
         self._clock.lap("draft")
@@ -365,7 +367,25 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         host = inflight.wait(self._clock)
         finished = self.outputs.resolve(inflight.requests, inflight.positions, host)
-        for request in finished:
-            self.scheduler.finish(request)
+        self._finish(finished)
         self._clock.lap("outputs")
         return finished
+
+    def _finish(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.scheduler.finish(request)
+            self.totals.finished_requests += 1
+            self.totals.generation_tokens += request.num_output_tokens
+            self.totals.cached_prompt_tokens += request.metrics.num_cached_tokens
+
+    def counters(self) -> dict:
+        """Totals since the engine started, and the caches' state now: vLLM-style engine counters."""
+        counters = {**self.totals.as_dict(), "preemptions": self.scheduler.num_preemptions,
+                    "running": len(self.scheduler.running),
+                    "waiting": len(self.scheduler.waiting),
+                    "cache_usage": {kind: round(used, 4) for kind, used in self.blocks.usage().items()}}
+        if self.speculator is not None:
+            stats = self.speculator.stats
+            counters |= {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+                         "num_accepted_tokens": stats.num_accepted_tokens}
+        return counters

@@ -38,6 +38,20 @@ class StepMetrics:
         return {f.name: getattr(self, f.name) * 1e3 / steps for f in fields(self) if f.name != "steps"}
 
 
+@dataclass(slots=True)
+class EngineTotals:
+    """Counts since the engine started (``LLMEngine.counters`` adds the scheduler's and the caches' state)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # of the requests added
+    cached_prompt_tokens: int = 0  # of finished requests: prompt tokens a prefix-cache hit did not recompute
+    generation_tokens: int = 0  # of finished requests
+    finished_requests: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 class StepClock:
     """Times a step's host phases into a ``StepMetrics``; device time comes from CUDA events the step records."""
 
