@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core.ops import select_topk
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
 
 KEY_BLOCK = 64
@@ -67,6 +66,3 @@ class BlockedTorchAttention(TorchAttention):
             dots = torch.einsum("thd,tcd->thc", q.float(), keys[block.clamp(min=0)].float()).relu()
             scores.append((dots * head_weights).sum(dim=1).masked_fill(block < 0, float("-inf")))
         return torch.cat(scores, dim=1)[:, :width]
-
-    def indexer_topk(self, q, weights, keys, candidates, topk):
-        return select_topk(self.indexer_scores(q, weights, keys, candidates), candidates, topk)

@@ -4,8 +4,8 @@ A GEMM library picks its blocking, and with it each output's summation order, fr
 projection computed among 5 rows can differ in the last bit from the same projection among 300 (measured with MKL:
 row 0 of ``x[:M] @ W.T`` takes three different values over M = 1..600). Cut into tiles of a fixed number of rows,
 the last one zero-padded, every call has the same shapes, so a row's result depends on the row alone (measured: the
-same bits at every position of a tile). CUDA's reduction kernels also choose their layout from the number of rows
-reduced, so on GPUs sums, means and softmaxes over a row are tiled the same way.
+same bits at every position of a tile). Reductions also choose their layout from the number of rows reduced (CUDA's
+kernels, and CPU ones over short rows), so sums, means, softmaxes and norms over a row are tiled the same way.
 
 On CPUs, torch's element-wise kernels run vector code over a tensor and finish the elements past its last full
 vector with a scalar loop, and for some functions the two round differently (measured: ``sigmoid``, ``silu`` and
@@ -75,8 +75,9 @@ def _reduced_dims(dim, ndim: int) -> tuple[int, ...] | None:
 
 class FixedRowTiles(TorchFunctionMode):
     """While active, every matrix product whose left operand has rows (``F.linear``, ``@``, ``matmul``, ``mm``,
-    ``addmm``, ``einsum`` with a row index) runs in ``rows``-row tiles. With ``tile_reductions`` (GPUs), so do
-    ``sum``, ``mean``, ``softmax`` and ``log_softmax`` over dimensions other than 0; with ``exact_tails`` (CPUs),
+    ``addmm``, ``einsum`` with a row index) runs in ``rows``-row tiles. With ``tile_reductions``, so do ``sum``,
+    ``mean``, ``softmax``, ``log_softmax`` and ``cumsum`` over dimensions other than 0, and ``F.rms_norm``; with
+    ``exact_tails`` (CPUs),
     ``sigmoid``, ``silu`` and ``softplus`` are computed from functions whose vector and scalar code agree."""
 
     def __init__(self, rows: int, tile_reductions: bool, exact_tails: bool):
@@ -104,13 +105,6 @@ def _product(rows, func, args, kwargs):
     if left.dim() < 2 or right.dim() != 2:
         return func(*args, **kwargs)
     return in_row_tiles(left, rows, lambda tile: func(tile, right, *rest, **kwargs))
-
-
-def _linear(rows, func, args, kwargs):
-    x, *rest = args
-    if x.dim() < 2:
-        return func(*args, **kwargs)
-    return in_row_tiles(x, rows, lambda tile: func(tile, *rest, **kwargs))
 
 
 def _addmm(rows, func, args, kwargs):
@@ -147,7 +141,7 @@ def _rms_norm(rows, func, args, kwargs):
 
 
 _PRODUCTS = {
-    F.linear: _linear,
+    F.linear: _product,  # (x, weight, bias): the weight is the 2-D right operand
     torch.matmul: _product,
     torch.Tensor.matmul: _product,
     torch.Tensor.__matmul__: _product,
