@@ -11,7 +11,7 @@
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
-# replay: prefill off vs compact), invariant (batch-invariant mode: one output among random batches, and its cost).
+# replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`. Results come back as results.tgz.
 set -uo pipefail
 sections=",$1,"
@@ -156,6 +156,11 @@ if has replay; then  # issue 9: SWA bounded replay, prefill off vs compact (V4.1
     timeout 150 "${bench[@]}" replay --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 4 --input-len 1024 \
         --output-len 64 --text-file README.md --max-num-batched-tokens 8192 --output-json "$out/replay_tiny.json" 2>&1 | grep -E "Error|error" | head -5
     for f in "$out"/replay_*.json; do python -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[1], r['prefill_tokens_per_second'], r['speedup'], r['last_logits_max_deviation_over_max_logit'], r['greedy_tokens_before_first_difference'])" "$f"; done
+fi
+if has structured; then  # issue 11: a JSON schema's per-step cost at batch 32, grammar masks filled during the forward pass
+    stamp "structured"
+    timeout 300 "${bench[@]}" structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 --output-len 64 \
+        --output-json "$out/structured.json" 2>&1 | grep -vE "INFO" | tail -8
 fi
 if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
