@@ -4,9 +4,11 @@
 #   DEEPINFER_ACCELERATOR=cpu|nvidia|ascend ./build.sh      (default cpu)
 #
 # cpu installs torch if it is missing (DEEPINFER_TORCH_SPEC, default torch==2.13.0); nvidia
-# and ascend expect the accelerator's torch (and torch_npu) to be installed already, since
-# which build matches the driver is the user's call. Then the core (editable, with the test
-# extra), the accelerator's backend plugin and every feature plugin that exists. Safe to rerun.
+# expects a CUDA torch to be installed already, since which build matches the driver is the
+# user's call; ascend expects torch (and CANN) and installs the torch_npu release made for that
+# torch (DEEPINFER_TORCH_NPU_SPEC overrides: torch-npu==X.Y.Z.* for torch X.Y.Z). Then the core
+# (editable, with the test extra), the accelerator's backend plugin and every feature plugin
+# that exists. Safe to rerun.
 #
 # nvidia also provisions DeepSeek's kernels (FlashMLA, DeepGEMM) by DEEPINFER_KERNELS and says what loaded:
 #   auto (default)       prebuilt:.kernels when that folder exists, otherwise none
@@ -86,8 +88,21 @@ case "$accelerator" in
             || die "DEEPINFER_ACCELERATOR=nvidia needs a CUDA build of torch (>= 2.9) in $PYTHON; install one first (https://pytorch.org/get-started/locally/), then rerun"
         ;;
     ascend)
-        python_ok 'import torch, torch_npu' \
-            || die "DEEPINFER_ACCELERATOR=ascend needs torch and torch_npu (matching your CANN) in $PYTHON; install them first, then rerun"
+        python_ok 'import torch' \
+            || die "DEEPINFER_ACCELERATOR=ascend needs torch in $PYTHON (the CPU build, which torch_npu extends); install it first, then rerun"
+        torch_version="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
+        if python_ok 'import torch_npu'; then
+            say "torch_npu $("$PYTHON" -c 'import torch_npu; print(torch_npu.__version__)') already installed (torch $torch_version)"
+        else
+            # torch-npu X.Y.Z[.postN] requires torch==X.Y.Z.*: take the newest release for this torch, and pin
+            # torch to what is installed so pip cannot swap it for another build
+            spec="${DEEPINFER_TORCH_NPU_SPEC:-torch-npu==${torch_version%%+*}.*}"
+            say "installing $spec (for torch $torch_version)"
+            pip_install "$spec" "torch==$torch_version" \
+                || die "no $spec installs next to torch $torch_version (pip index versions torch-npu lists the releases; each needs its own torch); set DEEPINFER_TORCH_NPU_SPEC or install a torch that has one"
+        fi
+        python_ok 'import torch_npu' \
+            || die "torch_npu is installed but does not import: source CANN's set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh), then rerun"
         ;;
 esac
 
@@ -100,10 +115,9 @@ if [[ "$accelerator" != cpu ]]; then
         say "installing the $accelerator backend plugin ($backend)"
         pip_install -e "$backend"
         [[ "$accelerator" == nvidia ]] && provision_deepseek_kernels
+        [[ "$accelerator" == ascend ]] && say "NPUs: $("$PYTHON" -c 'import torch, torch_npu; print(torch.npu.device_count())' 2>&1 | tail -1); validate the backend with: $PYTHON tools/ascend_validate.py"
     else
-        meanwhile="the reference torch path runs on CUDA"
-        [[ "$accelerator" == ascend ]] && meanwhile="the reference torch path runs (on CPU unless you pass device=\"npu\")"
-        say "the $accelerator backend plugin ($backend) is not written yet: it lands with its issue; meanwhile $meanwhile"
+        die "the $accelerator backend plugin ($backend/pyproject.toml) is missing from this checkout"
     fi
 fi
 

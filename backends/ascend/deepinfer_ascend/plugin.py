@@ -1,0 +1,74 @@
+"""Hook implementations: each answers only for NPU devices with torch_npu importable; elsewhere it declines (returns
+None) and the built-in torch reference plugins serve.
+
+Served: attention (``AscendAttention``), routed experts (``AscendMoE``), hyper-connections (``AscendMHC``).
+Left to the reference, on purpose: linear layers (no documented torch_npu operator multiplies e4m3 weights with
+UE8M0 tile scales on the 950; ``npu_quant_matmul``'s docs cover int8/int4) and the sampler
+(``npu_top_k_top_p_sample`` draws from a torch generator, while the hook's seeded rows draw from (seed, position,
+token) alone, and the hook also applies penalties and returns logprobs). MoE gating is not a hook (the model
+routes) and expert parallelism exchanges tokens inside the engine, so ``npu_moe_gating_top_k`` and
+``npu_moe_distribute_dispatch``/``combine`` have no place to plug in yet (see the README).
+
+With ``DEEPINFER_BATCH_INVARIANT=1`` every hook declines: no operator here is established as batch-invariant.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+from deepinfer import envs
+from deepinfer.logger import init_logger, log_once
+from deepinfer.plugins import hookimpl
+from deepinfer_ascend import npu
+from deepinfer_ascend.attention import AscendAttention
+from deepinfer_ascend.mhc import AscendMHC
+from deepinfer_ascend.moe import AscendMoE
+
+logger = init_logger(__name__)
+
+
+def _serving(device) -> ModuleType | None:
+    """torch_npu when this plugin serves ``device``, else None (the hook declines)."""
+    if getattr(device, "type", None) != "npu":
+        return None
+    if envs.get().DEEPINFER_BATCH_INVARIANT:
+        log_once(logger, logging.INFO, "batch-invariant mode: the Ascend plugin declines (its operators are not "
+                                       "established as batch-invariant)")
+        return None
+    module = npu.torch_npu()
+    if module is None:
+        log_once(logger, logging.WARNING, "device is an NPU but torch_npu is not importable: the Ascend plugin "
+                                          "declines and the torch reference serves every hook")
+    return module
+
+
+@hookimpl
+def deepinfer_configure_engine(config):
+    # torch.device("npu") parses only once torch_npu is imported, and the engine builds its device after this hook
+    if not str(config.device).startswith("npu"):
+        return
+    module = npu.torch_npu()
+    if module is None:
+        raise ValueError(f"device={config.device!r} needs torch_npu (DEEPINFER_ACCELERATOR=ascend ./build.sh "
+                         "installs the one matching torch)")
+    if not npu.has_npu(module):
+        raise ValueError(f"device={config.device!r}, but torch_npu sees no NPU (is CANN's set_env.sh sourced?)")
+
+
+@hookimpl
+def deepinfer_attention_backend(config, device):
+    module = _serving(device)
+    return None if module is None else AscendAttention(module)
+
+
+@hookimpl
+def deepinfer_moe_backend(config, device):
+    module = _serving(device)
+    return None if module is None else AscendMoE(module)
+
+
+@hookimpl
+def deepinfer_mhc_backend(config, device):
+    module = _serving(device)
+    return None if module is None else AscendMHC(module)
