@@ -10,7 +10,8 @@ import torch
 # (subnormal floats make CPU kernels ~100x slower; see LLMEngine).
 torch.set_flush_denormal(True)
 
-from deepinfer import bench, bench_load, bench_replay, bench_speculative, bench_structured, cli_commands  # noqa: E402
+from deepinfer import (bench, bench_load, bench_parallel, bench_replay, bench_speculative,  # noqa: E402
+                       bench_structured, cli_commands)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_speculative.add_arguments(kinds.add_parser("speculative", help="decode with and without drafts"))
     bench_replay.add_arguments(kinds.add_parser("replay", help="prefill with SWA bounded replay off and compact"))
     bench_structured.add_arguments(kinds.add_parser("structured", help="decode with and without a JSON schema"))
+    bench_parallel.add_arguments(kinds.add_parser("parallel", help="one rank against data/expert parallelism, EPLB"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         (bench_load.main if args.kind == "load" else bench.main)(args)

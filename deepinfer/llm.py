@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from deepinfer import envs
 from deepinfer.chat_encoding import encode_chat
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import LLMEngine
@@ -14,6 +18,7 @@ from deepinfer.core.request import Request
 from deepinfer.core.speculation import log_summary
 from deepinfer.logger import init_logger
 from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.parallel import ranks as parallel
 from deepinfer.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -25,12 +30,48 @@ class LLM:
 
     ``model`` is a local directory or a Hugging Face repo id (``DEEPINFER_HF_MODEL_DIR``
     overrides both). Other keyword arguments are engine arguments, see ``EngineConfig``.
+
+    With ``data_parallel_size=N`` the job has N ranks (``deepinfer.parallel.ranks``): spawned from this process, or
+    the processes ``torchrun`` started. Prompts are dealt to the ranks round-robin and every call returns all
+    outputs in input order (on every rank under torchrun). ``close()`` (or ``with LLM(...)``) ends the ranks.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, engine_args))
+        config = EngineConfig.from_kwargs(model, engine_args)
+        ranks = None
+        if config.data_parallel_size > 1:
+            ranks = parallel.start(config.data_parallel_size, config.torch_device(envs.get().DEEPINFER_ACCELERATOR),
+                                   config)
+            weakref.finalize(self, ranks.close)  # spawned ranks wait for calls: they must be told when it ends
+        self._init(config, ranks)
+
+    @classmethod
+    def _as_rank(cls, config: EngineConfig, ranks: parallel.Ranks) -> "LLM":
+        """A spawned rank's LLM (its process group already joined)."""
+        llm = cls.__new__(cls)
+        llm._init(config, ranks)
+        return llm
+
+    def _init(self, config: EngineConfig, ranks: parallel.Ranks | None) -> None:
+        self.ranks = ranks
+        if ranks is None:
+            self.engine = LLMEngine(config)
+        else:  # every rank built its engine before the first call (a rank that failed to ends the job here)
+            self.engine = ranks.guarded(lambda: LLMEngine(config, ranks))
+            ranks.guarded(lambda: ranks.any(False))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+
+    def close(self) -> None:
+        """Ends a parallel job's ranks (nothing to do for one process)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,
@@ -42,9 +83,30 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompt_list))
         if any(p.so_args is not None for p in params):
             self._check_structured_outputs(params)
+        if self.ranks is not None:
+            return self.ranks.guarded(lambda: self._generate_on_ranks(prompt_list, params, use_tqdm))
         groups = [self._submit(prompt, p) for prompt, p in zip(prompt_list, params)]
         self._run(groups, use_tqdm)
         return [self._request_output(group) for group in groups]
+
+    def _generate_on_ranks(self, prompt_list: list[Prompt], params: list[SamplingParams], use_tqdm: bool):
+        """Data parallelism: prompt i runs on rank i % N; rank 0 (every rank under torchrun) returns them all."""
+        ranks = self.ranks
+        ranks.mirror("_generate_on_ranks", prompt_list, params, False)
+        ranks.check_same("generate's prompts and sampling params",
+                         hashlib.sha256(pickle.dumps((prompt_list, params))).hexdigest()[:16])
+        mine = {}
+        for index, (prompt, p) in enumerate(zip(prompt_list, params)):
+            if index % ranks.world_size == ranks.rank:
+                mine[index] = self._submit(prompt, p)
+            else:
+                self._next_id += 1  # request ids stay the same on every rank
+        self._run(list(mine.values()), use_tqdm and ranks.leader)
+        gathered = ranks.gather({index: self._request_output(group) for index, group in mine.items()})
+        if gathered is None:
+            return None
+        merged = {index: output for part in gathered for index, output in part.items()}
+        return [merged[index] for index in range(len(prompt_list))]
 
     def chat(
         self,
@@ -66,6 +128,8 @@ class LLM:
         """Generates one completion of ``prompt``, yielding its text as it grows (pieces held back while they
         could still become a stop string come once they cannot)."""
         params = _as_params_list(sampling_params, 1)[0]
+        if self.ranks is not None:
+            raise ValueError("stream runs in one process; with data_parallel_size > 1 use generate")
         if params.n != 1:
             raise ValueError(f"stream generates one completion; got n={params.n}")
         if params.so_args is not None:
@@ -117,7 +181,7 @@ class LLM:
         start = time.perf_counter()
         prompt_tokens = sum(len(g[0].prompt_token_ids) for g in groups)
         by_id = {g[0].request_id: g for g in groups}
-        while self.engine.has_unfinished():
+        while self._busy():
             finished = self.engine.step()
             if not use_tqdm or not finished:
                 continue
@@ -138,6 +202,12 @@ class LLM:
                     output_tokens / elapsed, counters["preemptions"], counters["cached_prompt_tokens"],
                     counters["prompt_tokens"])
         log_summary(self.engine.speculator)
+
+    def _busy(self) -> bool:
+        busy = self.engine.has_unfinished()
+        if self.engine.expert_parallel is not None:  # the ranks step together until every rank is done
+            return self.ranks.any(busy)
+        return busy
 
     @staticmethod
     def _request_output(group: list[Request]) -> RequestOutput:

@@ -39,6 +39,12 @@ def init_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
+def set_rank(rank: int | None) -> None:
+    """Under parallelism every line says which rank wrote it (None: a single process again)."""
+    line = _LINE_FORMAT if rank is None else _LINE_FORMAT.replace("]", f" rank{rank}]", 1)
+    _handler.setFormatter(logging.Formatter(line, _TIME_FORMAT))
+
+
 def log_once(logger: logging.Logger, level: int, msg: str) -> None:
     """Log ``msg`` the first time this process sees it; every worker would otherwise repeat it."""
     key = (logger.name, level, msg)

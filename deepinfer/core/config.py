@@ -35,6 +35,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
+    # parallelism (deepinfer.parallel): ranks = data_parallel_size; experts sharded over them when
+    # enable_expert_parallel, placed by measured load when enable_eplb
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_step_interval: int = 256
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -56,8 +63,20 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_expert_parallel", "enable_eplb"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("data_parallel_size", "eplb_step_interval"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb=True needs enable_expert_parallel=True (EPLB places experts over the "
+                             "expert-parallel ranks)")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError(f"num_redundant_experts={self.num_redundant_experts} needs enable_eplb=True (redundant "
+                             "experts are replicas EPLB places by measured load)")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

@@ -29,6 +29,8 @@ from deepinfer.core.tokenizer import load_tokenizer
 from deepinfer.logger import init_logger
 from deepinfer.models.loader import load_model
 from deepinfer.models.registry import model_config
+from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.parallel.ranks import Ranks
 from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
 
@@ -53,7 +55,9 @@ def _check_batch_invariant(**backends) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, ranks: Ranks | None = None):
+        """``ranks``: this process's place in a parallel job (``deepinfer.parallel``); each rank's engine owns its
+        own requests and caches."""
         self.config = config
         load_plugins()
         check_feature_plugins()
@@ -62,7 +66,7 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model)
         self.model_config = model_config(model_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
-        self.device = config.torch_device(env.DEEPINFER_ACCELERATOR)
+        self.device = ranks.device if ranks is not None else config.torch_device(env.DEEPINFER_ACCELERATOR)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
@@ -84,10 +88,12 @@ class LLMEngine:
         if env.DEEPINFER_BATCH_INVARIANT:
             _check_batch_invariant(attention=attention, moe=moe, linear=linear, mhc=mhc, sampler=self.sampler)
         dtype = config.torch_dtype(self.model_config.dtype)
+        self.expert_parallel = self._expert_parallel(ranks)
         start = time.perf_counter()
         self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear, mhc=mhc,
                                 dtype=dtype, device=self.device, tokenizer=self.tokenizer,
-                                quantization=config.quantization, load_format=config.load_format, seed=config.seed)
+                                quantization=config.quantization, load_format=config.load_format, seed=config.seed,
+                                expert_parallel=self.expert_parallel)
         logger.info("loaded %s (%s, %s, %.2f GiB of weights%s) in %.1f s", model_dir, dtype, self.device,
                     _weight_bytes(self.model) / 2**30, ", random: load_format=dummy" if config.load_format == "dummy"
                     else "", time.perf_counter() - start)
@@ -96,7 +102,12 @@ class LLMEngine:
                                if not b.graph_safe]
         if self.model.graph_blocker:
             self.graph_blockers.append(self.model.graph_blocker)
+        if self.expert_parallel is not None:
+            self.graph_blockers.append("expert parallelism reads each token exchange's sizes on the host")
         self._set_up_feature_plugins()
+        if self.expert_parallel is not None and self.speculator is not None:
+            raise ValueError("speculative decoding with enable_expert_parallel=True is not supported yet (draft passes "
+                             "would need every rank to run them together); unset DEEPINFER_ENABLE_MTP_VARLEN")
         self._step_contexts = self._collect_step_contexts()
         self._build_caches()
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
@@ -110,6 +121,21 @@ class LLMEngine:
                         "the previous step's tokens)")
         self._inflight: InFlight | None = None
         self._structured = None  # the structured-outputs plugin, once a request asks for it
+
+    def _expert_parallel(self, ranks: Ranks | None) -> ExpertParallel | None:
+        c = self.config
+        if not c.enable_expert_parallel:
+            return None
+        if ranks is None or ranks.world_size == 1:
+            raise ValueError("enable_expert_parallel=True needs more than one rank: set data_parallel_size (the "
+                             "experts are spread over the data-parallel ranks)")
+        mc = self.model_config
+        ep = ExpertParallel(ranks, mc.num_layers, mc.n_routed_experts, num_redundant=c.num_redundant_experts,
+                            eplb=c.enable_eplb, step_interval=c.eplb_step_interval)
+        logger.info("expert parallelism: %d experts per layer over %d ranks, %d slots each%s", mc.n_routed_experts,
+                    ranks.world_size, ep.placement.slots_per_rank,
+                    f", EPLB every {c.eplb_step_interval} steps" if c.enable_eplb else "")
+        return ep
 
     def _collect_step_contexts(self) -> list:
         contexts = call_all("deepinfer_step_context", config=self.config, device=self.device)
@@ -256,7 +282,10 @@ class LLMEngine:
         with contextlib.ExitStack() as stack:
             for context in self._step_contexts:
                 stack.enter_context(context)
-            return self._step()
+            finished = self._step()
+        if self.expert_parallel is not None:
+            self.expert_parallel.step_done()
+        return finished
 
     def _step(self) -> list[Request]:
         clock = self._clock
@@ -264,6 +293,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         clock.lap("schedule")
         if not scheduled:
+            if self.expert_parallel is not None:  # every rank runs every step's exchanges
+                self.expert_parallel.idle_step(self.model.dtype)
             return self._resolve() if self._inflight is not None else []
         tokens_on_host = self._inflight is not None and self._needs_host_tokens(scheduled)
         if tokens_on_host:  # only the values: the outputs (detokenizing, stop checks) still overlap this step

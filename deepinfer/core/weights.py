@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,7 +87,13 @@ class LoadPlan:
     dequantized: set[str]  # checkpoint names of weights/scales dequantized when read
     mapped: list[StoredTensor]  # returned as views of the file
     canonical: Callable[[str], str | None]
+    held_experts: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
+    def local_slots(self, stacked: str, expert: int) -> list[int]:
+        """Where checkpoint expert ``expert`` of ``stacked`` goes in this process's stack: its own index, or under
+        expert parallelism every local slot that holds it (none: another rank's expert)."""
+        held = self.held_experts.get(stacked)
+        return [expert] if held is None else [slot for slot, e in enumerate(held) if e == expert]
 
 
 def plan_load(
@@ -98,15 +104,18 @@ def plan_load(
     quantizable: set[str] = frozenset(),
     block: tuple[int, int] = (128, 128),
     memory_mapped: Callable[[str], bool] | None = None,
+    held_experts: Mapping[str, Sequence[int]] | None = None,
 ) -> LoadPlan:
     """Check the checkpoint against ``expected`` (canonical name -> float shape and dtype) from its headers.
 
     Weights named in ``quantizable`` stay as stored when the checkpoint ships them quantized; their FP8 scales must
     tile them in ``block``. Other quantized weights are dequantized to the expected dtype when read. Per-expert
-    tensors (``ffn.experts.{e}.w1.weight``) fill the expected stacked [E, ...] tensor.
+    tensors (``ffn.experts.{e}.w1.weight``) fill the expected stacked [E, ...] tensor. Under expert parallelism
+    ``held_experts`` maps a stacked name to the checkpoint expert of each of its local slots: only those are read.
     """
     model_dir = Path(model_dir)
     index = CheckpointIndex.from_dir(model_dir)
+    slots = LoadPlan(index, {}, {}, [], set(), [], canonical, held_experts or {}).local_slots
     problems = _Problems()
     parts: dict[str, list[_Part]] = {}  # canonical (stacked) name -> its parts
     mapped, skipped = [], 0
@@ -122,8 +131,10 @@ def plan_load(
             continue
         for part_name, part in split_fused_experts(name, torch.empty(stored.shape, device="meta")):
             slot = expert_slot(part_name)
-            stacked, expert = (part_name, None) if slot is None else slot
-            parts.setdefault(stacked, []).append(_Part(stacked, expert, tuple(part.shape), stored))
+            if slot is None:
+                parts.setdefault(part_name, []).append(_Part(part_name, None, tuple(part.shape), stored))
+            for local in [] if slot is None else slots(*slot):
+                parts.setdefault(slot[0], []).append(_Part(slot[0], local, tuple(part.shape), stored))
     if skipped:
         logger.debug("Skipping %d tensors in %s that this model does not use", skipped, model_dir)
 
@@ -144,7 +155,7 @@ def plan_load(
     problems.missing += [n for n in expected if n not in layout and n not in problems.seen and n not in mapped_names]
     problems.raise_if_any(model_dir)
     copied = list({p.stored.name: p.stored for ps in parts.values() for p in ps}.values())
-    return LoadPlan(index, headers, layout, copied, dequantized, mapped, canonical)
+    return LoadPlan(index, headers, layout, copied, dequantized, mapped, canonical, held_experts or {})
 
 
 def _check_exact(stored: StoredTensor, expected: dict[str, TensorSpec], problems: _Problems) -> None:
@@ -276,8 +287,10 @@ def _place(plan: LoadPlan, checkpoint_name: str, tensor: torch.Tensor, targets: 
             weight, scale = (part, partner) if leaf == "weight" else (partner, part)
             name, slot = f"{base}.weight", expert_slot(f"{base}.weight")
             part = dequantize(weight, scale, targets[name if slot is None else slot[0]].dtype)
-        target = targets[name] if slot is None else targets[slot[0]][slot[1]]
-        target.copy_(part)
+        if slot is None:
+            targets[name].copy_(part)
+        for local in [] if slot is None else plan.local_slots(*slot):
+            targets[slot[0]][local].copy_(part)
 
 
 def load_state_dict(model_dir: str | os.PathLike[str], expected: dict[str, TensorSpec], **plan_options

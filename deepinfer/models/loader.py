@@ -16,17 +16,20 @@ from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBac
 
 def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, moe: MoEBackend,
                linear: LinearBackend, mhc: MHCBackend, dtype: torch.dtype, device: torch.device, tokenizer=None,
-               quantization: str = "auto", load_format: str = "auto", seed: int = 0) -> nn.Module:
+               quantization: str = "auto", load_format: str = "auto", seed: int = 0,
+               expert_parallel=None) -> nn.Module:
     """The model with its weights on ``device``.
 
     ``quantization="auto"`` keeps FP8 / MXFP4 weights as the checkpoint stores them (device memory about the
     checkpoint's size); ``"none"`` dequantizes them to ``dtype`` as they are read, for debugging. ``load_format``
     ``"dummy"`` skips the weight files: random weights are created on ``device`` in the formats ``config.json``
-    declares (FP8 / MXFP4 with a ``quantization_config``, ``dtype`` without one).
+    declares (FP8 / MXFP4 with a ``quantization_config``, ``dtype`` without one). With ``expert_parallel``
+    (``deepinfer.parallel.expert_parallel``) each MoE layer keeps, and reads, only this rank's experts.
     """
     # meta: no memory is touched until the checkpoint says how each tensor is stored
     with torch.device("meta"):
         model = model_class(model_config)(model_config, attention, moe, mhc, dtype, tokenizer=tokenizer)
+    held = _hold_experts(model, expert_parallel) if expert_parallel is not None else None
     expected = model.expected_tensors()
     quantizable = quantizable_weights(model, model.checkpoint_name) if quantization == "auto" else set()
     if load_format == "dummy" and model_config.quantization_config is None:
@@ -40,12 +43,27 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
         fill_dummy({**tensors, **extras}, seed, model_config.n_routed_experts)
     else:
         plan = plan_load(model_dir, expected, canonical=checkpoint_naming(model_config), quantizable=quantizable,
-                         block=block, memory_mapped=model.memory_mapped)
+                         block=block, memory_mapped=model.memory_mapped, held_experts=held)
         tensors = materialize(model, plan.layout, model.checkpoint_name, device, linear, block[1])
         extras = stream_into(plan, tensors)
     model.attach(extras)
     model.backends = Backends(attention, moe, linear, mhc)  # what a drafter plugin builds its stages with
     return model.to(device)  # the buffers the model computes itself (RoPE, hashing tables)
+
+
+def _hold_experts(model: nn.Module, expert_parallel) -> dict[str, list[int]]:
+    """Shrinks each decoder layer's expert stacks to this rank's slots; returns, by stacked checkpoint name, the
+    checkpoint expert each slot holds."""
+    moe_layers = [layer.ffn for layer in model.layers]
+    expert_parallel.attach(moe_layers)
+    held = {}
+    for index, moe in enumerate(moe_layers):
+        experts = expert_parallel.held_experts(index)
+        moe.hold_experts(len(experts))
+        for stack in ("w1", "w3", "w2"):
+            for leaf in ("weight", "scale"):
+                held[model.checkpoint_name(f"layers.{index}.ffn.experts.{stack}.{leaf}")] = experts
+    return held
 
 
 @dataclass(slots=True)

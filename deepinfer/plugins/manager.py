@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import logging
 import sys
+import types
 from collections.abc import Iterator
 
 import pluggy
@@ -108,6 +109,30 @@ def _selected_entry_points(available: list[str]) -> list[str]:
         logger.warning("DEEPINFER_PLUGINS names %s, which no installed plugin provides; installed: %s",
                        ", ".join(missing), ", ".join(available) or "none")
     return [name for name in wanted if name in available]
+
+
+def registered_modules() -> list[tuple[str, str]]:
+    """(name, module) of every registered plugin in registration order: what a spawned rank registers so that it
+    runs this process's plugins, not whatever its own start-up would pick."""
+    rows = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            continue
+        if not isinstance(plugin, types.ModuleType):
+            raise PluginError(f"plugin {name!r} is registered as a {type(plugin).__name__} object, which a spawned "
+                              "rank cannot import: register a module, or start the ranks with torchrun")
+        rows.append((name, plugin.__name__))
+    return rows
+
+
+def register_modules(rows: list[tuple[str, str]]) -> None:
+    """A spawned rank: register the plugins ``registered_modules`` listed in the process that spawned it."""
+    global _loaded
+    for name, module_name in rows:
+        if not pm.has_plugin(name):
+            pm.register(importlib.import_module(module_name), name=name)
+    check_pending()
+    _loaded = True
 
 
 def check_pending() -> None:

@@ -19,6 +19,10 @@ _SCORE_FUNCTIONS = {
 
 
 class MoE(nn.Module):
+    # set by ``ExpertParallel.attach`` when the routed experts are spread over ranks
+    expert_parallel = None
+    layer_index = 0
+
     def __init__(self, config, is_hash: bool, backend: MoEBackend):
         super().__init__()
         hidden, inter, experts = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
@@ -59,12 +63,37 @@ class MoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, weights * self.route_scale
 
+    def hold_experts(self, count: int) -> None:
+        """Expert parallelism: this process keeps ``count`` expert slots (built on ``meta``, before loading)."""
+        for stack in (self.experts.w1, self.experts.w3, self.experts.w2):
+            stack.weight = nn.Parameter(stack.weight.new_empty(count, *stack.weight.shape[1:]), requires_grad=False)
+
+    def expert_tensors(self, name: str) -> list[torch.Tensor]:
+        """One stack's per-expert tensors (weight, and scale when quantized), each [slots, ...]."""
+        stack = getattr(self.experts, name)
+        return [stack.weight] if stack.scale is None else [stack.weight, stack.scale]
+
+    def _expert_weights(self) -> ExpertWeights:
+        w1, w3, w2 = self.experts.w1, self.experts.w3, self.experts.w2
+        return ExpertWeights(w1.weight, w3.weight, w2.weight, self.limit, w1.scale, w3.scale, w2.scale,
+                             self.activation_block)
+
+    def idle_exchange(self, dtype: torch.dtype) -> None:
+        """Expert parallelism, a rank without tokens: its experts still compute the other ranks' tokens."""
+        hidden = self.gate.weight.shape[1]
+        device = self.gate.weight.device
+        self.expert_parallel.routed_experts(
+            self.layer_index, torch.empty(0, hidden, dtype=dtype, device=device),
+            torch.empty(0, self.top_k, dtype=torch.int64, device=device),
+            torch.empty(0, self.top_k, device=device), self._expert_weights(), self.backend)
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x, token_ids)
-        w1, w3, w2 = self.experts.w1, self.experts.w3, self.experts.w2
-        experts = ExpertWeights(w1.weight, w3.weight, w2.weight, self.limit, w1.scale, w3.scale, w2.scale,
-                                self.activation_block)
-        routed = self.backend.routed_experts(x, ids, weights, experts)
+        if self.expert_parallel is None:
+            routed = self.backend.routed_experts(x, ids, weights, self._expert_weights())
+        else:
+            routed = self.expert_parallel.routed_experts(self.layer_index, x, ids, weights, self._expert_weights(),
+                                                         self.backend)
         shared = self.shared_experts
         hidden = swiglu(shared.w1(x), shared.w3(x), self.limit)
         return routed + shared.w2(hidden.to(x.dtype))

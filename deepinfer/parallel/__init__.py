@@ -1,0 +1,1 @@
+"""Multi-GPU parallelism: expert placement and load balancing."""

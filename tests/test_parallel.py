@@ -1,0 +1,151 @@
+"""Parallelism on 2 CPU processes (Gloo): data parallelism, expert parallelism and EPLB give one process's greedy
+outputs; spawned ranks and torchrun ranks; a failing rank ends the job with its error."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallel_fault_plugin
+from deepinfer import LLM, SamplingParams
+from deepinfer.core.config import EngineConfig
+from deepinfer.plugins.manager import load_plugins, pm
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+# different lengths, so ranks finish at different steps and an idle rank must keep serving its experts; one long
+# prompt, so with a 16-token step budget its prefill is chunked
+PROMPTS = ["import os\n", "class Stack:", '"""Return the', "def main():\n    x = [",
+           "import sys\nimport time\nimport json\n\n\ndef parse(argv):\n    parser = argparse.ArgumentParser()\n"]
+MAX_TOKENS = [14, 6, 10, 4, 8]
+ENGINE = dict(device="cpu", dtype="float32", max_num_batched_tokens=16)
+MODES = {
+    "data": dict(data_parallel_size=2),
+    "expert": dict(data_parallel_size=2, enable_expert_parallel=True),
+    # rebalanced every 4 steps, with 2 replicas: weights move between ranks several times during generation
+    "eplb": dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, num_redundant_experts=2,
+                 eplb_step_interval=4),
+}
+
+
+def _params():
+    return [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module", params=["v4.1", "v4"])
+def model_and_reference(request, tiny_v4_checkpoint):
+    model = "deepinfer-tiny-v4.1" if request.param == "v4.1" else str(tiny_v4_checkpoint)
+    return model, _tokens(LLM(model, **ENGINE).generate(PROMPTS, _params(), use_tqdm=False))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_give_one_process_greedy_outputs(model_and_reference, mode):
+    model, reference = model_and_reference
+    with LLM(model, **ENGINE, **MODES[mode]) as llm:
+        outputs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+        assert [o.request_id for o in outputs] == [str(i) for i in range(len(PROMPTS))]
+        assert _tokens(outputs) == reference
+        ep = llm.engine.expert_parallel
+        if mode == "data":
+            assert ep is None
+        else:
+            assert ep.placement.slots_per_rank == (llm.engine.model_config.n_routed_experts
+                                                   + MODES[mode].get("num_redundant_experts", 0)) // 2
+            assert ep.exchange_time.total() > 0
+        if mode == "eplb":  # the weights moved, and the refitted placements balance better than the static split
+            assert ep.swaps >= 1
+            assert min(b.refitted for b in ep.balancedness) < max(b.static for b in ep.balancedness)
+        # a second call on the same ranks: the job keeps serving
+        assert _tokens(llm.generate(PROMPTS[:3], _params()[:3], use_tqdm=False)) == reference[:3]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL between them)")
+@pytest.mark.parametrize("mode", MODES)
+def test_two_gpus_give_one_gpu_greedy_outputs(mode):
+    engine = {**ENGINE, "device": "cuda"}
+    reference = _tokens(LLM("deepinfer-tiny-v4.1", **engine).generate(PROMPTS, _params(), use_tqdm=False))
+    with LLM("deepinfer-tiny-v4.1", **engine, **MODES[mode]) as llm:
+        assert llm.engine.device == torch.device("cuda", 0)
+        assert _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False)) == reference
+        if mode == "eplb":
+            assert llm.engine.expert_parallel.swaps >= 1
+
+
+def test_a_spawned_rank_that_fails_ends_the_job_with_its_error():
+    load_plugins()
+    pm.register(parallel_fault_plugin, name="parallel_fault_plugin")
+    llm = LLM("deepinfer-tiny-v4.1", **ENGINE, **MODES["expert"])
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed") as failure:
+        llm.generate(PROMPTS, _params(), use_tqdm=False)
+    assert parallel_fault_plugin.MESSAGE in str(failure.value)
+    assert not llm.ranks.workers  # ended, not left waiting for calls
+
+
+def test_a_spawned_rank_that_dies_ends_the_job():
+    llm = LLM("deepinfer-tiny-v4.1", **ENGINE, **MODES["data"])
+    worker = llm.ranks.workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed.*exited with code -9"):
+        llm.generate(PROMPTS, _params(), use_tqdm=False)
+
+
+def _torchrun(tmp_path, *args, check=True):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(TESTS / "torchrun_generate.py"), "deepinfer-tiny-v4.1", str(out), *args],
+                         env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert run.returncode == 0, run.stderr[-3000:]
+    return run, out
+
+
+def test_torchrun_ranks_each_return_every_output(tmp_path):
+    reference = _tokens(LLM("deepinfer-tiny-v4.1", device="cpu", dtype="float32").generate(
+        ["import os\n", "class Stack:", '"""Return the', "def main():\n    x = [", "for i in range(10):"],
+        SamplingParams(temperature=0, max_tokens=12), use_tqdm=False))
+    _, out = _torchrun(tmp_path, "--expert-parallel")
+    for rank in (0, 1):
+        result = json.loads(Path(f"{out}.{rank}.json").read_text())
+        assert result["tokens"] == reference
+        # each rank passed its own prompt: refused on both ranks, naming the difference
+        assert "differs between ranks" in result["mismatch"]
+
+
+def test_torchrun_rank_that_fails_ends_every_rank(tmp_path):
+    run, _ = _torchrun(tmp_path, "--fault", "--expert-parallel", check=False)
+    assert run.returncode != 0
+    assert parallel_fault_plugin.MESSAGE in run.stderr
+
+
+@pytest.mark.parametrize("args, problem", [
+    (dict(enable_eplb=True), "enable_eplb=True needs enable_expert_parallel=True"),
+    (dict(num_redundant_experts=2, enable_expert_parallel=True), "needs enable_eplb=True"),
+    (dict(data_parallel_size=0), "data_parallel_size must be an integer >= 1"),
+    (dict(enable_expert_parallel="yes"), "enable_expert_parallel must be True or False"),
+])
+def test_bad_parallel_arguments_are_refused(args, problem):
+    with pytest.raises(ValueError, match=problem):
+        EngineConfig(**args)
+
+
+def test_expert_parallel_needs_ranks():
+    with pytest.raises(ValueError, match="needs more than one rank"):
+        LLM("deepinfer-tiny-v4.1", device="cpu", enable_expert_parallel=True)
+
+
+def test_experts_must_divide_over_the_ranks():
+    # 8 experts + 1 replica cannot be split evenly over 2 ranks
+    with pytest.raises(ValueError, match="divide evenly by 2"):
+        LLM("deepinfer-tiny-v4.1", **ENGINE, **{**MODES["eplb"], "num_redundant_experts": 1})
