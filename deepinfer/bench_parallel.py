@@ -3,7 +3,8 @@
 The same ``--num-prompts`` prompts (``--input-len`` random token ids, or with ``--skewed`` ids from 16 values, so
 routing piles onto few experts) generate ``--output-len`` greedy tokens (EOS ignored) with one rank, then with
 ``--ranks`` ranks as data parallelism, then with the experts spread over the ranks, then with EPLB and
-``--num-redundant-experts`` replicas. Each configuration warms up on a few prompts first. Reported per
+``--num-redundant-experts`` replicas. Each configuration runs the whole workload once before the timed run
+(prefix caching off, so the timed run computes every prompt). Reported per
 configuration: output tokens/s and its ratio to one rank; with expert parallelism the share of rank 0's time spent
 dispatching and combining tokens (device time on GPUs: waiting for slower ranks included); with EPLB, for
 each window of measured load, the max/mean rank load under the static split (no EPLB), under the placement that
@@ -45,10 +46,12 @@ def _run_one(args, prompts: list[list[int]], parallel: dict) -> dict:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.num_prompts,
               quantization=args.quantization, load_format=args.load_format, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, **parallel)
+              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=False, **parallel)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2 * parallel.get("data_parallel_size", 1)], SamplingParams(temperature=0, max_tokens=4,
-                                                                                     ignore_eos=True), use_tqdm=False)
+    # the whole workload once first: every kernel compiled and autotuned, every CUDA graph captured (a new
+    # engine has an empty prefix cache, but this one keeps the warm-up's: it is off for the timed run's sake)
+    llm.generate(prompts, params, use_tqdm=False)
     ep = llm.engine.expert_parallel
     if ep is not None:
         ep.exchange_time.reset()

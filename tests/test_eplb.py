@@ -175,3 +175,25 @@ def test_rebalance_rejects_bad_arguments(kwargs, message):
         rebalance(torch.ones(64), 64, 1, 1, 4)
     with pytest.raises(ValueError, match="do not split evenly"):
         ExpertPlacement.identity(1, 10, 4)
+
+
+def test_aligned_placement_keeps_what_each_rank_already_holds():
+    generator = torch.Generator().manual_seed(3)
+    first = rebalance(torch.rand(3, 16, generator=generator, dtype=torch.float64) * 100, 20, 1, 1, 4)
+    load = torch.rand(3, 16, generator=generator, dtype=torch.float64) * 100
+    fresh = rebalance(load, 20, 1, 1, 4)
+    aligned = fresh.aligned_to(first)
+    for layer in range(3):
+        for rank in range(4):  # the same experts on each rank, and every one it already held in its old slot
+            new, old = aligned.local_experts(layer, rank), first.local_experts(layer, rank)
+            assert sorted(new) == sorted(fresh.local_experts(layer, rank))
+            # as many slots keep their expert as the old and new multisets share: nothing needlessly moves
+            same = sum(a == b for a, b in zip(new, old))
+            assert same == sum((Counter(new) & Counter(old)).values())
+    # consistent tables, and balance unchanged
+    for layer in range(3):
+        for slot, expert in enumerate(aligned.phy2log[layer].tolist()):
+            assert slot in aligned.log2phy[layer, expert].tolist()
+    assert aligned.balancedness(load) == pytest.approx(fresh.balancedness(load))
+    moved = lambda p: int((p.phy2log != first.phy2log).sum())  # noqa: E731
+    assert moved(aligned) < moved(fresh)

@@ -9,6 +9,7 @@ run with one node and one group. Placements are computed on the host (a few Pyth
 vectorized over layers); only `ExpertPlacement.physical` and `ExpertLoad` run on the serving device.
 """
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +153,30 @@ class ExpertPlacement:
         replica = (tokens + choices) % self.count[layer][topk_ids]
         return self.log2phy[layer][topk_ids, replica]
 
+    def aligned_to(self, previous: "ExpertPlacement") -> "ExpertPlacement":
+        """The same experts on the same ranks, each rank's slots reordered so that an expert the rank already
+        held stays in its slot: only the experts new to a rank have to move there."""
+        per_rank = self.slots_per_rank
+        new, old = self.phy2log.tolist(), previous.phy2log.cpu().tolist()
+        for layer, (slots, held) in enumerate(zip(new, old)):
+            for start in range(0, len(slots), per_rank):
+                wanted = Counter(slots[start:start + per_rank])
+                kept = []
+                for expert in held[start:start + per_rank]:
+                    stays = wanted[expert] > 0
+                    wanted[expert] -= stays
+                    kept.append(expert if stays else None)
+                arriving = iter(sorted(wanted.elements()))
+                new[layer][start:start + per_rank] = [e if e is not None else next(arriving) for e in kept]
+        phy2log = torch.tensor(new, dtype=torch.int64)
+        replica_index = torch.zeros_like(phy2log)
+        for layer, slots in enumerate(new):
+            seen = Counter()
+            for slot, expert in enumerate(slots):
+                replica_index[layer, slot] = seen[expert]
+                seen[expert] += 1
+        return _placement(phy2log, replica_index, self.count.cpu(), self.num_ranks)
+
     def rank_load(self, load: Tensor) -> Tensor:
         """Tokens per rank [L, num_ranks] if each expert's ``load`` [L, E] splits evenly over its replicas."""
         count = self.count.to(load.device)
@@ -195,6 +220,12 @@ def rebalance(weight: Tensor, num_physical: int, num_groups: int, num_nodes: int
         phy2log, replica_index, count = _hierarchical(weight, num_physical, num_groups, num_nodes, num_ranks)
     else:
         phy2log, replica_index, count = _hierarchical(weight, num_physical, 1, 1, num_ranks)
+    return _placement(phy2log, replica_index, count, num_ranks)
+
+
+def _placement(phy2log: Tensor, replica_index: Tensor, count: Tensor, num_ranks: int) -> ExpertPlacement:
+    num_layers, num_experts = count.shape
+    num_physical = phy2log.shape[1]
     # A fixed replica width (the most any one expert can get) keeps log2phy's shape independent of the load,
     # so a serving buffer can be overwritten in place when the placement changes.
     width = num_physical - num_experts + 1

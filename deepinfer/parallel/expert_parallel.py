@@ -29,6 +29,8 @@ from deepinfer.plugins.interfaces import ExpertWeights
 logger = init_logger(__name__)
 
 _STACKS = ("w1", "w3", "w2")
+# a new placement must cut the max/mean rank load by more than 1% to be worth moving weights for
+_WORTH_MOVING = 0.99
 
 
 @dataclass(slots=True)
@@ -143,11 +145,11 @@ class ExpertParallel:
         load = load.cpu().double()
         if load.sum() == 0:
             return
-        placement = self._placement(load)
+        placement = self._placement(load).aligned_to(self.placement)
         static = ExpertPlacement.identity(self.num_layers, self.num_experts, self.ranks.world_size).balancedness(load)
         before, after = self.placement.to("cpu").balancedness(load), placement.balancedness(load)
         self.balancedness.append(Balancedness(static, before, after))
-        if after >= before:
+        if after >= before * _WORTH_MOVING:
             logger.info("EPLB: placement kept (max/mean rank load %.3f; a new one would give %.3f)", before, after)
             return
         changed = int((placement.phy2log != self.placement.phy2log.cpu()).sum())
@@ -179,10 +181,10 @@ class ExpertParallel:
                         staged.append((tensor, slot % per_rank, tensor[source_slot % per_rank].clone()))
                     elif dest == me:
                         buffer = torch.empty_like(tensor[0])
-                        ops.append(dist.P2POp(dist.irecv, buffer, source, group=self.ranks.device_group))
+                        ops.append(dist.P2POp(dist.irecv, _bytes(buffer), source, group=self.ranks.device_group))
                         staged.append((tensor, slot % per_rank, buffer))
                     elif source == me:
-                        ops.append(dist.P2POp(dist.isend, tensor[source_slot % per_rank].contiguous(), dest,
+                        ops.append(dist.P2POp(dist.isend, _bytes(tensor[source_slot % per_rank]), dest,
                                               group=self.ranks.device_group))
         works = dist.batch_isend_irecv(ops) if ops else []
         return _Move(new, works, staged)
@@ -234,6 +236,11 @@ class ExchangeTimer:
     def reset(self) -> None:
         self.total()
         self.seconds = 0.0
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Weights travel as bytes: NCCL has no FP8 or e8m0 (MXFP4 scale) types."""
+    return tensor.contiguous().view(torch.uint8)
 
 
 def _nearest_copy(phy2log: list[int], expert: int, dest: int, per_rank: int) -> int:
