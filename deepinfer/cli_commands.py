@@ -78,6 +78,8 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--system", help="a system message opening the conversation")
     parser.add_argument("--thinking", action="store_true", help="the model reasons (<think>) before answering")
+    parser.add_argument("--reasoning-effort", choices=["high", "max"],
+                        help="with --thinking, max opens the prompt with DeepSeek's reasoning instruction")
     parser.add_argument("--temperature", type=float, default=1.0, help="DeepSeek's recommendation: 1.0")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=512, help="per answer")
@@ -86,8 +88,8 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args) -> None:
-    """Reads a user message per line from standard input and streams each answer; '/reset' forgets the
-    conversation, '/exit' or the end of input leaves."""
+    """Reads a user message per line from standard input (a '> ' prompt on a terminal) and streams each answer;
+    '/reset' forgets the conversation, '/exit' or the end of input leaves."""
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
@@ -107,12 +109,15 @@ def run_chat(args) -> None:
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         answer = ""
-        for piece in llm.stream(llm.chat_prompt(messages, args.thinking), params):
+        prompt = llm.chat_prompt(messages, args.thinking, reasoning_effort=args.reasoning_effort)
+        for piece in llm.stream(prompt, params):
             answer += piece
             print(piece, end="", flush=True)
         print()
-        # the next turn replays the answer without its reasoning, as the chat encoding does
-        messages.append({"role": "assistant", "content": answer.split("</think>", 1)[-1]})
+        # with --thinking the answer is "reasoning</think>answer" (all reasoning if cut short); the encoding replays
+        # the answer without its reasoning
+        reasoning, _, content = answer.partition("</think>") if args.thinking else ("", "", answer)
+        messages.append({"role": "assistant", "content": content, "reasoning_content": reasoning})
 
 
 def add_env_arguments(parser: argparse.ArgumentParser) -> None:

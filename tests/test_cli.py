@@ -1,9 +1,16 @@
-"""The ``deepinfer`` command: generate, plugins, env and the help texts (bench has tests/test_bench.py)."""
+"""The ``deepinfer`` command: generate, chat (on standard input and in a pseudo-terminal), plugins, env and the help
+texts (bench has tests/test_bench.py)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -71,15 +78,71 @@ def test_help_texts(argv, capsys):
         assert all(command in out for command in ("generate", "plugins", "env", "bench"))
 
 
-def test_chat_streams_two_turns_with_the_history(capsys, monkeypatch):
-    """Each line is a user turn; the second is encoded after the first answer; /exit ends before the last line."""
-    monkeypatch.setattr("sys.stdin", io.StringIO("Write a function\nAnd a class\n/exit\nnever read\n"))
-    main(["chat", "--model", EMBEDDED, "--dtype", "float32", "--temperature", "0", "--max-tokens", "8", "--system",
-          "Python only."])
-    printed = capsys.readouterr().out
-    llm, greedy = LLM(EMBEDDED, dtype="float32"), SamplingParams(temperature=0, max_tokens=8)
+CHAT_FLAGS = ["--model", EMBEDDED, "--dtype", "float32", "--temperature", "0", "--max-tokens", "4", "--system",
+              "Python only."]
+
+
+@pytest.fixture(scope="module")
+def chat_answers() -> tuple[str, str]:
+    """The greedy answers to "Write a function", then "And a class" after the first answer (CHAT_FLAGS)."""
+    llm, greedy = LLM(EMBEDDED, dtype="float32"), SamplingParams(temperature=0, max_tokens=4)
     history = [{"role": "system", "content": "Python only."}, {"role": "user", "content": "Write a function"}]
     first = llm.chat(history, greedy, use_tqdm=False)[0].outputs[0].text
     history += [{"role": "assistant", "content": first}, {"role": "user", "content": "And a class"}]
-    second = llm.chat(history, greedy, use_tqdm=False)[0].outputs[0].text
-    assert printed == first + "\n" + second + "\n"
+    return first, llm.chat(history, greedy, use_tqdm=False)[0].outputs[0].text
+
+
+def test_chat_streams_two_turns_with_the_history(capsys, monkeypatch, chat_answers):
+    """Each line is a user turn; the second is encoded after the first answer; /exit ends before the last line."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("Write a function\nAnd a class\n/exit\nnever read\n"))
+    main(["chat", *CHAT_FLAGS])
+    first, second = chat_answers
+    assert capsys.readouterr().out == first + "\n" + second + "\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="drives the command through a Linux pseudo-terminal")
+def test_chat_in_a_terminal_answers_each_turn_before_the_next_is_typed(tmp_path, chat_answers):
+    """``deepinfer chat`` in a pseudo-terminal: it prompts with '> ', each answer is streamed back before the next
+    line is typed (the terminal echoes what is typed), and /exit ends it with status 0. 150 s at most: never hangs."""
+    import pty
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    master, slave = pty.openpty()
+    with open(tmp_path / "stderr.txt", "wb") as stderr:
+        child = subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "chat", *CHAT_FLAGS], stdin=slave,
+                                 stdout=slave, stderr=stderr, cwd=root, env=env, start_new_session=True)
+    os.close(slave)
+    deadline, screen = time.monotonic() + 150, b""
+
+    def shown() -> str:  # the terminal turns each newline into \r\n
+        return screen.decode("utf-8", errors="replace").replace("\r\n", "\n")
+
+    def read_until(expected: str) -> None:
+        nonlocal screen
+        while not shown().endswith(expected):
+            left = deadline - time.monotonic()
+            assert left > 0, f"waited for {expected!r}; the terminal shows {shown()!r}; stderr: " \
+                             f"{(tmp_path / 'stderr.txt').read_text(errors='replace')[-2000:]}"
+            if select.select([master], [], [], min(left, 1.0))[0]:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # EIO: the command closed the terminal
+                    chunk = b""
+                assert chunk or child.poll() is None, f"the command ended early: {shown()!r}"
+                screen += chunk
+
+    try:
+        first, second = chat_answers
+        read_until("> ")
+        os.write(master, b"Write a function\n")
+        read_until(f"> Write a function\n{first}\n> ")
+        os.write(master, b"And a class\n")
+        read_until(f"> Write a function\n{first}\n> And a class\n{second}\n> ")
+        os.write(master, b"/exit\n")
+        assert child.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        os.close(master)
