@@ -2,7 +2,8 @@
 
 The same ``--num-prompts`` prompts (``--input-len`` random token ids, or with ``--skewed`` ids from 16 values, so
 routing piles onto few experts) generate ``--output-len`` greedy tokens (EOS ignored) with one rank, then with
-``--ranks`` ranks as data parallelism, then with the experts spread over the ranks, then with EPLB and
+``--ranks`` ranks as data parallelism, as context parallelism (every rank a share of every step's tokens), then
+with the experts spread over the ranks, then with EPLB and
 ``--num-redundant-experts`` replicas. Each configuration runs the whole workload once before the timed run
 (prefix caching off, so the timed run computes every prompt). Reported per
 configuration: output tokens/s and its ratio to one rank; with expert parallelism the share of rank 0's time spent
@@ -34,6 +35,7 @@ def _configurations(args) -> dict[str, dict]:
     return {
         "one_rank": {},
         f"data_parallel_{n}": {"data_parallel_size": n},
+        f"context_parallel_{n}": {"context_parallel_size": n},
         f"expert_parallel_{n}": {"data_parallel_size": n, "enable_expert_parallel": True},
         f"eplb_{n}": {"data_parallel_size": n, "enable_expert_parallel": True, "enable_eplb": True,
                       "num_redundant_experts": args.num_redundant_experts,

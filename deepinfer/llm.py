@@ -39,9 +39,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         config = EngineConfig.from_kwargs(model, engine_args)
         ranks = None
-        if config.data_parallel_size > 1:
-            ranks = parallel.start(config.data_parallel_size, config.torch_device(envs.get().DEEPINFER_ACCELERATOR),
-                                   config)
+        if config.world_size > 1:
+            ranks = parallel.start(config.world_size, config.torch_device(envs.get().DEEPINFER_ACCELERATOR), config)
             weakref.finalize(self, ranks.close)  # spawned ranks wait for calls: they must be told when it ends
         self._init(config, ranks)
 
@@ -90,14 +89,17 @@ class LLM:
         return [self._request_output(group) for group in groups]
 
     def _generate_on_ranks(self, prompt_list: list[Prompt], params: list[SamplingParams], use_tqdm: bool):
-        """Data parallelism: prompt i runs on rank i % N; rank 0 (every rank under torchrun) returns them all."""
+        """Data parallelism: prompt i runs on rank i % N (context parallelism: on every rank, each computing a share
+        of every step's tokens); rank 0 (every rank under torchrun) returns them all."""
         ranks = self.ranks
+        shares = self.engine.config.context_parallel_size
+        data_rank, data_ranks = ranks.rank // shares, ranks.world_size // shares
         ranks.mirror("_generate_on_ranks", prompt_list, params, False)
         ranks.check_same("generate's prompts and sampling params",
                          hashlib.sha256(pickle.dumps((prompt_list, params))).hexdigest()[:16])
         mine = {}
         for index, (prompt, p) in enumerate(zip(prompt_list, params)):
-            if index % ranks.world_size == ranks.rank:
+            if index % data_ranks == data_rank:
                 mine[index] = self._submit(prompt, p)
             else:
                 self._next_id += 1  # request ids stay the same on every rank
@@ -114,15 +116,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         thinking: bool = False,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        reasoning_effort: str | None = None,
     ) -> list[RequestOutput]:
-        """Answers one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, encoded as
-        DeepSeek-V4 chats (``deepinfer.chat_encoding``); ``thinking`` opens the answer with ``<think>``."""
+        """Answers one conversation (a list of OpenAI-style message dicts: system, user, assistant with
+        ``reasoning_content`` and ``tool_calls``, tool) or a list of them, encoded as DeepSeek's release encodes
+        V4 chats (``deepinfer.chat_encoding``). ``thinking`` opens the answer with ``<think>``; ``tools``:
+        OpenAI-shaped function definitions, rendered in the system prompt; ``reasoning_effort``: None, "high" or
+        "max" (in thinking mode "max" adds the release's reasoning instruction)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.chat_prompt(c, thinking) for c in conversations], sampling_params, use_tqdm)
+        prompts = [self.chat_prompt(c, thinking, tools, reasoning_effort) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt(self, messages: list[dict], thinking: bool = False) -> list[int]:
+    def chat_prompt(self, messages: list[dict], thinking: bool = False, tools: list[dict] | None = None,
+                    reasoning_effort: str | None = None) -> list[int]:
         """A conversation's prompt token ids (the encoding carries its own BOS: none is added)."""
-        return self.tokenizer.encode(encode_chat(messages, thinking), add_special_tokens=False)
+        text = encode_chat(messages, thinking, tools=tools, reasoning_effort=reasoning_effort)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generates one completion of ``prompt``, yielding its text as it grows (pieces held back while they
@@ -205,7 +215,7 @@ class LLM:
 
     def _busy(self) -> bool:
         busy = self.engine.has_unfinished()
-        if self.engine.expert_parallel is not None:  # the ranks step together until every rank is done
+        if self.engine.expert_parallel is not None or self.engine.context is not None:  # ranks step together
             return self.ranks.any(busy)
         return busy
 

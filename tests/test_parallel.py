@@ -14,18 +14,28 @@ import torch
 import parallel_fault_plugin
 from deepinfer import LLM, SamplingParams
 from deepinfer.core.config import EngineConfig
+from deepinfer.parallel.context_parallel import zigzag_owners
 from deepinfer.plugins.manager import load_plugins, pm
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-# different lengths, so ranks finish at different steps and an idle rank must keep serving its experts; one long
-# prompt, so with a 16-token step budget its prefill is chunked
+# different lengths, so ranks finish at different steps and an idle rank must keep serving its experts; long
+# prompts, so with a 16-token step budget their prefill is chunked, and one past 128 tokens (a ratio-128 entry;
+# greedy margins >= 0.15 nats: V4.1's FP8/NVFP4 cache rounding turns float noise from other batch mates into
+# visible logit steps, so a near-tie would flip with the batch, which is not what these tests are about)
 PROMPTS = ["import os\n", "class Stack:", '"""Return the', "def main():\n    x = [",
-           "import sys\nimport time\nimport json\n\n\ndef parse(argv):\n    parser = argparse.ArgumentParser()\n"]
-MAX_TOKENS = [14, 6, 10, 4, 8]
+           "import sys\nimport time\nimport json\n\n\ndef parse(argv):\n    parser = argparse.ArgumentParser()\n",
+           "".join(f"import {module}\n" for module in (
+               "os sys time json math random shutil string struct socket logging argparse tempfile threading "
+               "subprocess collections functools itertools contextlib dataclasses traceback warnings weakref pathlib "
+               "typing enum copy glob hashlib heapq io inspect operator pickle platform queue re select signal "
+               "sqlite3 statistics textwrap unittest uuid zlib").split())]
+MAX_TOKENS = [14, 6, 10, 4, 8, 6]
 ENGINE = dict(device="cpu", dtype="float32", max_num_batched_tokens=16)
 MODES = {
     "data": dict(data_parallel_size=2),
+    # every rank computes a zigzag share of every step's tokens
+    "context": dict(context_parallel_size=2),
     "expert": dict(data_parallel_size=2, enable_expert_parallel=True),
     # rebalanced every 4 steps, with 2 replicas: weights move between ranks several times during generation
     "eplb": dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, num_redundant_experts=2,
@@ -55,7 +65,7 @@ def test_two_ranks_give_one_process_greedy_outputs(model_and_reference, mode):
         assert [o.request_id for o in outputs] == [str(i) for i in range(len(PROMPTS))]
         assert _tokens(outputs) == reference
         ep = llm.engine.expert_parallel
-        if mode == "data":
+        if mode in ("data", "context"):
             assert ep is None
         else:
             assert ep.placement.slots_per_rank == (llm.engine.model_config.n_routed_experts
@@ -129,11 +139,24 @@ def test_torchrun_rank_that_fails_ends_every_rank(tmp_path):
     assert parallel_fault_plugin.MESSAGE in run.stderr
 
 
+def test_zigzag_gives_each_rank_early_and_late_tokens_of_a_prefill():
+    owners = zigzag_owners([8, 1, 1, 1, 5], 2)
+    # 8 tokens in 4 pieces: rank 0 takes the first and last, rank 1 the middle two; short runs are dealt in turn
+    assert owners[:8] == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert owners[8:11] == [0, 1, 0]
+    assert owners[11:] == [0, 1, 1, 0, 0]  # 5 tokens: pieces of 1, 1, 1, 2
+    for ranks in (2, 3, 4):  # a long prefill's causal work (sum of positions + 1) splits evenly
+        owners = zigzag_owners([4096], ranks)
+        work = [sum(p + 1 for p, o in enumerate(owners) if o == r) for r in range(ranks)]
+        assert max(work) / min(work) < 1.01
+
+
 @pytest.mark.parametrize("args, problem", [
     (dict(enable_eplb=True), "enable_eplb=True needs enable_expert_parallel=True"),
     (dict(num_redundant_experts=2, enable_expert_parallel=True), "needs enable_eplb=True"),
     (dict(data_parallel_size=0), "data_parallel_size must be an integer >= 1"),
     (dict(enable_expert_parallel="yes"), "enable_expert_parallel must be True or False"),
+    (dict(context_parallel_size=2, data_parallel_size=2), "context_parallel_size > 1 runs alone"),
 ])
 def test_bad_parallel_arguments_are_refused(args, problem):
     with pytest.raises(ValueError, match=problem):

@@ -38,6 +38,7 @@ class EngineConfig:
     # parallelism (deepinfer.parallel): ranks = data_parallel_size; experts sharded over them when
     # enable_expert_parallel, placed by measured load when enable_eplb
     data_parallel_size: int = 1
+    context_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
     num_redundant_experts: int = 0
@@ -66,11 +67,14 @@ class EngineConfig:
         for name in ("enforce_eager", "enable_expert_parallel", "enable_eplb"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("data_parallel_size", "eplb_step_interval"):
+        for name in ("data_parallel_size", "context_parallel_size", "eplb_step_interval"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
+        if self.context_parallel_size > 1 and (self.data_parallel_size > 1 or self.enable_expert_parallel):
+            raise ValueError("context_parallel_size > 1 runs alone for now: combine it with neither data_parallel_size "
+                             "> 1 nor enable_expert_parallel")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb=True needs enable_expert_parallel=True (EPLB places experts over the "
                              "expert-parallel ranks)")
@@ -79,6 +83,11 @@ class EngineConfig:
                              "experts are replicas EPLB places by measured load)")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the job: one per data-parallel rank and context-parallel share."""
+        return self.data_parallel_size * self.context_parallel_size
 
     @classmethod
     def from_kwargs(cls, model: str | None, engine_args: dict) -> "EngineConfig":

@@ -29,6 +29,7 @@ from deepinfer.core.tokenizer import load_tokenizer
 from deepinfer.logger import init_logger
 from deepinfer.models.loader import load_model
 from deepinfer.models.registry import model_config
+from deepinfer.parallel.context_parallel import ContextParallel
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.ranks import Ranks
 from deepinfer.plugins.interfaces import ComputedRows
@@ -104,10 +105,18 @@ class LLMEngine:
             self.graph_blockers.append(self.model.graph_blocker)
         if self.expert_parallel is not None:
             self.graph_blockers.append("expert parallelism reads each token exchange's sizes on the host")
+        self.context = ContextParallel(ranks) if config.context_parallel_size > 1 else None
+        if self.context is not None:
+            self.graph_blockers.append("context parallelism splits each step's tokens by the step's requests")
         self._set_up_feature_plugins()
-        if self.expert_parallel is not None and self.speculator is not None:
-            raise ValueError("speculative decoding with enable_expert_parallel=True is not supported yet (draft passes "
-                             "would need every rank to run them together); unset DEEPINFER_ENABLE_MTP_VARLEN")
+        parallel = [name for name, on in (("enable_expert_parallel=True", self.expert_parallel is not None),
+                                          ("context_parallel_size > 1", self.context is not None)) if on]
+        if parallel and self.speculator is not None:
+            raise ValueError(f"speculative decoding with {parallel[0]} is not supported yet (draft passes would need "
+                             "every rank to run them together); unset DEEPINFER_ENABLE_MTP_VARLEN")
+        if self.context is not None and self.truncation is not None:
+            raise ValueError("SWA bounded replay with context_parallel_size > 1 is not supported yet; unset "
+                             "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
         self._step_contexts = self._collect_step_contexts()
         self._build_caches()
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
@@ -316,6 +325,8 @@ class LLMEngine:
             logits = self.graphs.logits(scheduled, before_launch=launch)
         else:
             batch = self.batch_builder.build(scheduled)
+            if self.context is not None:
+                batch.context = self.context.share(scheduled)
             launch(batch.token_ids)
             streams = self.model(batch, self.cache)
             logits = self.model.compute_logits(streams[batch.logits_rows]) if sampling_requests else None

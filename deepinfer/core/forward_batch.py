@@ -10,6 +10,8 @@ its static inputs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from dataclasses import dataclass, field, fields
 
@@ -52,6 +54,26 @@ class ForwardBatch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     # SWA bounded replay: the rows the decoder layers run on and their own batch (None: every row, as is)
     replay: DecoderReplay | None = None
+    # context parallelism: this rank's share of the step's rows (``deepinfer.parallel.context_parallel``)
+    context: object | None = None
+
+    def own_rows(self) -> "ForwardBatch":
+        """Context parallelism: the step with its per-token inputs (ids, positions, what each token attends to,
+        extras) cut to this rank's rows. Cache writes still cover every row (every rank's caches hold the whole
+        step, written from ``gather``ed rows)."""
+        if self.context is None:
+            return self
+        rows = self.context.rows
+        compressed = {ratio: dataclasses.replace(meta, candidates=meta.candidates[rows])
+                      for ratio, meta in self.compressed.items()}
+        return dataclasses.replace(self, token_ids=self.token_ids[rows], positions=self.positions[rows],
+                                   window=self.window[rows], compressed=compressed,
+                                   extras={name: t[rows] for name, t in self.extras.items()})
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-token rows of this rank's tokens -> the rows of every token of the step (context parallelism;
+        without it they already are)."""
+        return rows if self.context is None else self.context.gather(rows)
 
 
 @dataclass(slots=True)

@@ -101,8 +101,9 @@ class Attention(nn.Module):
             if self.ratio == c.csa_ratio:
                 self.indexer = Indexer(c, rotary)
 
-    def _compress(self, compressor: Compressor, x, positions, meta: CompressedMeta, state, entries) -> None:
-        state.index_copy_(0, meta.state_slots, compressor.state_rows(x, positions))
+    def _compress(self, compressor: Compressor, x, batch: ForwardBatch, meta: CompressedMeta, state, entries
+                  ) -> None:
+        state.index_copy_(0, meta.state_slots, batch.gather(compressor.state_rows(x, batch.positions)))
         if meta.close_slots.numel():
             pooled = compressor.pool(state, meta, self.backend)
             pooled = self.rotary.apply(pooled, meta.close_phases)
@@ -126,20 +127,20 @@ class Attention(nn.Module):
         kv = self.keys(x, phases)
 
         raw = caches.pool("swa", "kv", self.layer_id)
-        self.backend.store_rows(raw, batch.swa_slots, kv)
+        self.backend.store_rows(raw, batch.swa_slots, batch.gather(kv))
         sources = [(raw, batch.window)]
         if self.ratio:
             meta = batch.compressed[self.ratio]
             entries_kind, state_kind = f"comp{self.ratio}", f"state{self.ratio}"
             entries = caches.pool(entries_kind, "kv", self.layer_id)
             state = caches.pool(state_kind, "kv", self.layer_id)
-            self._compress(self.compressor, x, batch.positions, meta, state, entries)
+            self._compress(self.compressor, x, batch, meta, state, entries)
             if self.indexer is None:
                 sources.append((entries, meta.candidates))
             else:
                 keys = caches.pool(entries_kind, "index", self.layer_id)
                 key_state = caches.pool(state_kind, "index", self.layer_id)
-                self._compress(self.indexer.compressor, x, batch.positions, meta, key_state, keys)
+                self._compress(self.indexer.compressor, x, batch, meta, key_state, keys)
                 sources.append((entries, self.indexer(x, qr, phases, keys, meta, self.backend)))
 
         return self.output(self.backend.sparse_attention(q, sources, self.attn_sink, self.scale), phases)

@@ -118,16 +118,18 @@ class DeepseekV4ForCausalLM(nn.Module):
     # -- forward ------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, caches: KVCache) -> torch.Tensor:
         """Returns the mHC streams [T, hc_mult, hidden] of every token in the step."""
+        for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
+            meta.close_phases = self.rotary_compress.phases(meta.close_positions)
+        batch = batch.own_rows()  # context parallelism: this rank's tokens (otherwise all of them)
         x = self.embed(batch.token_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         phases = {
             self.rotary_main: self.rotary_main.phases(batch.positions),
             self.rotary_compress: self.rotary_compress.phases(batch.positions),
         }
-        for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
-            meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         for layer in self.layers:
             streams = layer(streams, batch, phases[layer.attn.rotary], caches)
+        streams = batch.gather(streams)
         self.features = streams.flatten(1) if self.keep_features else None
         return streams
 

@@ -139,10 +139,12 @@ class Attention(nn.Module):
         state = None
         if self.ratio > 1:
             state = caches.pool(f"state{self.ratio}", "kv", self.layer_id)
-            state.index_copy_(0, meta.state_slots, self.compressor.state_rows(x))
+            state.index_copy_(0, meta.state_slots, batch.gather(self.compressor.state_rows(x)))
         if not meta.close_slots.numel():
             return
-        latent = self.compressor.latents(x, state, meta)
+        # ratio 1: every token is an entry, made from its own row (gathered); ratio 2: pooled from the state
+        latent = batch.gather(self.compressor.latents(x, None, meta)) if state is None else \
+            self.compressor.latents(x, state, meta)
         phases = meta.close_phases
         entries = caches.pool(kind, "kv", self.layer_id)
         entries.index_copy_(0, meta.close_slots, round_nvfp4(self.rotary.apply(latent, phases)).to(entries.dtype))
@@ -155,7 +157,7 @@ class Attention(nn.Module):
         q = self.rotary.apply(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), phases)
         kv = round_fp8(self.rotary.apply(self.kv_norm(self.wkv(x)), phases), 32)
         raw = caches.pool("swa", "kv", self.layer_id)
-        raw.index_copy_(0, batch.swa_slots, kv.to(raw.dtype))
+        raw.index_copy_(0, batch.swa_slots, batch.gather(kv).to(raw.dtype))
         sources = [(raw, batch.window)]
         if self.ratio:
             meta = batch.compressed[self.ratio]

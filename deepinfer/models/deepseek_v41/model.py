@@ -171,6 +171,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     # -- forward ------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, caches: KVCache) -> torch.Tensor:
         """The collapsed hidden state [T, hidden] of every token in the step (before the final norm)."""
+        for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
+            meta.close_phases = self.rotary_compress.phases(meta.close_positions)
+        batch = own = batch.own_rows()  # context parallelism: this rank's tokens (otherwise all of them)
         x = self.embed(batch.token_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         pre = torch.zeros(x.shape[0], self.config.hc_mult, dtype=torch.float32, device=x.device)
@@ -179,8 +182,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.rotary_main: self.rotary_main.phases(batch.positions),
             self.rotary_compress: self.rotary_compress.phases(batch.positions),
         }
-        for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
-            meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         selection = Selection()
         features = []
         replay = batch.replay
@@ -201,7 +202,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             hidden = scatter_rows(hidden, replay.rows, x.shape[0])
             features = [f if f.shape[0] == x.shape[0] else scatter_rows(f, replay.rows, x.shape[0]) for f in features]
         self.features = torch.cat(features, dim=-1) if features else None
-        return hidden
+        return own.gather(hidden)
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The normalized hidden state, fp32: what the vocabulary projection reads."""
