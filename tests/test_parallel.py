@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import counting_exchange_plugin
 import parallel_fault_plugin
 from deepinfer import LLM, SamplingParams
 from deepinfer.core.config import EngineConfig
@@ -88,6 +89,19 @@ def test_two_gpus_give_one_gpu_greedy_outputs(mode):
         assert _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False)) == reference
         if mode == "eplb":
             assert llm.engine.expert_parallel.swaps >= 1
+
+
+def test_hook_deepinfer_token_exchange():
+    load_plugins()
+    pm.register(counting_exchange_plugin, name="counting_exchange_plugin")
+    prompts, params = PROMPTS[:3], _params()[:3]
+    reference = _tokens(LLM("deepinfer-tiny-v4.1", **ENGINE).generate(prompts, params, use_tqdm=False))
+    with LLM("deepinfer-tiny-v4.1", **ENGINE, **MODES["expert"]) as llm:
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == reference
+        exchange = llm.engine.expert_parallel.exchange
+        assert exchange.name == "counting-all-to-all"
+        # one dispatch and one combine per MoE layer per step, idle steps included
+        assert exchange.dispatches == exchange.combines == llm.engine.expert_parallel.steps * 9
 
 
 def test_a_spawned_rank_that_fails_ends_the_job_with_its_error():

@@ -139,7 +139,8 @@ class LLMEngine:
             raise ValueError("enable_expert_parallel=True needs more than one rank: set data_parallel_size (the "
                              "experts are spread over the data-parallel ranks)")
         mc = self.model_config
-        ep = ExpertParallel(ranks, mc.num_layers, mc.n_routed_experts, num_redundant=c.num_redundant_experts,
+        exchange, _ = select_backend("deepinfer_token_exchange", config=c, ranks=ranks)
+        ep = ExpertParallel(ranks, exchange, mc.num_layers, mc.n_routed_experts, num_redundant=c.num_redundant_experts,
                             eplb=c.enable_eplb, step_interval=c.eplb_step_interval)
         logger.info("expert parallelism: %d experts per layer over %d ranks, %d slots each%s", mc.n_routed_experts,
                     ranks.world_size, ep.placement.slots_per_rank,

@@ -1,8 +1,8 @@
 """Expert parallelism: the routed experts' weights are spread over the ranks.
 
-Each MoE layer sends every (token, chosen expert) pair to the rank that holds a copy of that expert
-(``all_to_all``), that rank runs its local experts through the MoE backend, and the weighted results come back to
-be summed per token. Ranks must run every step together (an idle rank runs the exchanges with no tokens of its
+Each MoE layer sends every (token, chosen expert) pair to the rank that holds a copy of that expert (the
+``deepinfer_token_exchange`` plugin's ``TokenExchange``; built in: ``all_to_all_single``), that rank runs its local
+experts through the MoE backend, and the weighted results come back to be summed per token. Ranks must run every step together (an idle rank runs the exchanges with no tokens of its
 own), so the engine's steps are agreed with ``Ranks.any``. The split sizes of an exchange are read on the host,
 so a step with expert parallelism cannot replay a CUDA graph.
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from deepinfer.logger import init_logger
 from deepinfer.parallel.eplb import ExpertLoad, ExpertPlacement, rebalance
 from deepinfer.parallel.ranks import Ranks
-from deepinfer.plugins.interfaces import ExpertWeights
+from deepinfer.plugins.interfaces import ExpertWeights, TokenExchange
 
 logger = init_logger(__name__)
 
@@ -50,14 +50,14 @@ class Balancedness:
 
 
 class ExpertParallel:
-    def __init__(self, ranks: Ranks, num_layers: int, num_experts: int, *, num_redundant: int = 0, eplb: bool = False,
-                 step_interval: int = 256, num_groups: int = 1):
+    def __init__(self, ranks: Ranks, exchange: TokenExchange, num_layers: int, num_experts: int, *,
+                 num_redundant: int = 0, eplb: bool = False, step_interval: int = 256, num_groups: int = 1):
         world = ranks.world_size
         physical = num_experts + num_redundant
         if physical % world:
             raise ValueError(f"expert parallelism over {world} ranks needs the {num_experts} experts plus "
                              f"num_redundant_experts={num_redundant} to divide evenly by {world}")
-        self.ranks = ranks
+        self.ranks, self.exchange = ranks, exchange
         self.num_layers, self.num_experts, self.num_physical = num_layers, num_experts, physical
         self.num_groups = num_groups if num_groups and num_experts % num_groups == 0 else 1
         if num_redundant:  # before any load is measured the replicas go to experts in order
@@ -96,33 +96,16 @@ class ExpertParallel:
         timer.start()
         if self.load is not None:
             self.load.record(layer, ids)
-        tokens, k = ids.shape
-        physical = self.placement.physical(layer, ids).flatten()
-        per_rank = self.placement.slots_per_rank
-        order = torch.argsort(physical // per_rank, stable=True)
-        sent = torch.bincount(physical // per_rank, minlength=self.ranks.world_size)
-        received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent, group=self.ranks.device_group)
-        send_splits, recv_splits = sent.tolist(), received.tolist()
-        token_of = order // k
-        rows = self._exchange(x[token_of], recv_splits, send_splits)
-        slots = self._exchange((physical[order] % per_rank).unsqueeze(1), recv_splits, send_splits)
-        scales = self._exchange(weights.flatten()[order].float().unsqueeze(1), recv_splits, send_splits)
+        physical = self.placement.physical(layer, ids)
+        work = self.exchange.dispatch(x, physical, weights, self.placement.slots_per_rank)
         timer.stop()
-        if rows.shape[0]:
-            computed = backend.routed_experts(rows, slots, scales, experts)
+        if work.rows.shape[0]:
+            computed = backend.routed_experts(work.rows, work.slots.unsqueeze(1), work.weights.unsqueeze(1), experts)
         else:  # no token chose this rank's experts: some kernels cannot launch on zero rows
-            computed = rows
+            computed = work.rows
         timer.start()
-        back = self._exchange(computed, send_splits, recv_splits)
-        summed = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        summed.index_add_(0, token_of, back.float())
+        out = self.exchange.combine(computed, work, x.shape[0])
         timer.stop()
-        return summed.to(x.dtype)
-
-    def _exchange(self, rows: torch.Tensor, recv_splits: list[int], send_splits: list[int]) -> torch.Tensor:
-        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=self.ranks.device_group)
         return out
 
     def idle_step(self, dtype: torch.dtype) -> None:

@@ -77,3 +77,10 @@ def deepinfer_step_context(config, device):
     """Return a context manager the engine enters around every step (forward passes, CUDA-graph captures, drafts and
     sampling), or ``None``. Meant for torch-level op overrides such as a ``torch.overrides.TorchFunctionMode``;
     the engine enters every plugin's context, in call order."""
+
+
+@hookspec(firstresult=True)
+def deepinfer_token_exchange(config, ranks):
+    """Return a ``TokenExchange`` moving expert parallelism's tokens between ``ranks`` (a
+    ``deepinfer.parallel.ranks.Ranks``) or ``None``; asked only when ``enable_expert_parallel`` is on. The
+    built-in one uses ``torch.distributed.all_to_all_single``."""

@@ -280,3 +280,27 @@ class GrammarMatcher(Protocol):
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding's drafts)."""
+
+
+@dataclass(slots=True)
+class Dispatched:
+    """One expert-parallel MoE layer's work on this rank, and what ``TokenExchange.combine`` needs to return it."""
+
+    rows: torch.Tensor  # [N, hidden] the activations of the (token, choice) pairs routed to this rank's experts
+    slots: torch.Tensor  # [N] int64 the local expert slot of each row
+    weights: torch.Tensor  # [N] fp32 each row's routing weight
+    handle: object  # the exchange's own bookkeeping
+
+
+class TokenExchange(Protocol):
+    name: str
+
+    def dispatch(self, x: torch.Tensor, physical: torch.Tensor, weights: torch.Tensor,
+                 slots_per_rank: int) -> Dispatched:
+        """Send every (token, choice) pair of this rank's ``x`` [T, hidden] to the rank holding its physical expert
+        slot ``physical`` [T, k] (slot p lives on rank p // slots_per_rank, as local slot p % slots_per_rank), with
+        its weight from ``weights`` [T, k]; return the pairs this rank computes."""
+
+    def combine(self, computed: torch.Tensor, dispatched: Dispatched, num_tokens: int) -> torch.Tensor:
+        """Send each computed row [N, hidden] (weighted already) back to its token's rank; return this rank's
+        [num_tokens, hidden] sums over each token's choices (in fp32, rounded once to ``computed``'s dtype)."""

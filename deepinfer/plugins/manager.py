@@ -33,6 +33,7 @@ DEFAULT_PLUGINS = (
     "deepinfer.plugins.builtin.torch_linear",
     "deepinfer.plugins.builtin.torch_mhc",
     "deepinfer.plugins.builtin.torch_sampler",
+    "deepinfer.plugins.builtin.torch_exchange",
 )
 
 logger = init_logger(__name__)
