@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
@@ -16,9 +17,11 @@ SHRUNK = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num
               index_topk=8)
 
 
-def test_bench_latency_reports_vllm_keys_and_rates(tiny_v4_checkpoint, tmp_path):
+@pytest.mark.parametrize("model", ["tiny_v4", "deepinfer-tiny-v4.1"])
+def test_bench_latency_reports_vllm_keys_and_rates(model, tiny_v4_checkpoint, tmp_path):
     out = tmp_path / "latency.json"
-    main(["bench", "latency", "--model", str(tiny_v4_checkpoint), "--input-len", "20", "--output-len", "5",
+    model = str(tiny_v4_checkpoint) if model == "tiny_v4" else model
+    main(["bench", "latency", "--model", model, "--input-len", "20", "--output-len", "5",
           "--batch-size", "3", "--num-iters-warmup", "1", "--num-iters", "2", "--output-json", str(out)])
     result = json.loads(out.read_text())["deepinfer"]
     assert len(result["latencies"]) == 2 and result["avg_latency"] == sum(result["latencies"]) / 2
@@ -26,6 +29,20 @@ def test_bench_latency_reports_vllm_keys_and_rates(tiny_v4_checkpoint, tmp_path)
     assert 0 < result["prefill_latency"] < result["avg_latency"]
     assert result["prefill_tokens_per_second"] == 3 * 20 / result["prefill_latency"]
     assert result["decode_tokens_per_second"] > 0
+
+
+def test_bench_throughput_on_the_embedded_model_reports_vllm_keys(tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    main(["bench", "throughput", "--model", "deepinfer-tiny-v4.1", "--num-prompts", "3", "--input-len", "12",
+          "--output-len", "5", "--output-json", str(out)])
+    result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result  # printed and written alike
+    run = result["deepinfer"]
+    assert set(run) == {"elapsed_time", "num_requests", "total_num_tokens", "requests_per_second",
+                        "tokens_per_second", "output_tokens_per_second"}
+    assert run["num_requests"] == 3 and run["total_num_tokens"] == 3 * (12 + 5)  # EOS ignored: every token made
+    assert run["tokens_per_second"] == run["total_num_tokens"] / run["elapsed_time"]
+    assert run["requests_per_second"] == 3 / run["elapsed_time"]
 
 
 def test_flash4l_fixture_loads_dummy_bf16_weights(tmp_path):
