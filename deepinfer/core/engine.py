@@ -89,7 +89,7 @@ class LLMEngine:
         if env.DEEPINFER_BATCH_INVARIANT:
             _check_batch_invariant(attention=attention, moe=moe, linear=linear, mhc=mhc, sampler=self.sampler)
         dtype = config.torch_dtype(self.model_config.dtype)
-        self.expert_parallel = self._expert_parallel(ranks)
+        self.expert_parallel = ExpertParallel.for_engine(config, self.model_config, ranks)
         start = time.perf_counter()
         self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear, mhc=mhc,
                                 dtype=dtype, device=self.device, tokenizer=self.tokenizer,
@@ -130,22 +130,6 @@ class LLMEngine:
                         "the previous step's tokens)")
         self._inflight: InFlight | None = None
         self._structured = None  # the structured-outputs plugin, once a request asks for it
-
-    def _expert_parallel(self, ranks: Ranks | None) -> ExpertParallel | None:
-        c = self.config
-        if not c.enable_expert_parallel:
-            return None
-        if ranks is None or ranks.world_size == 1:
-            raise ValueError("enable_expert_parallel=True needs more than one rank: set data_parallel_size (the "
-                             "experts are spread over the data-parallel ranks)")
-        mc = self.model_config
-        exchange, _ = select_backend("deepinfer_token_exchange", config=c, ranks=ranks)
-        ep = ExpertParallel(ranks, exchange, mc.num_layers, mc.n_routed_experts, num_redundant=c.num_redundant_experts,
-                            eplb=c.enable_eplb, step_interval=c.eplb_step_interval)
-        logger.info("expert parallelism: %d experts per layer over %d ranks, %d slots each%s", mc.n_routed_experts,
-                    ranks.world_size, ep.placement.slots_per_rank,
-                    f", EPLB every {c.eplb_step_interval} steps" if c.enable_eplb else "")
-        return ep
 
     def _collect_step_contexts(self) -> list:
         contexts = call_all("deepinfer_step_context", config=self.config, device=self.device)

@@ -25,6 +25,7 @@ from deepinfer.logger import init_logger
 from deepinfer.parallel.eplb import ExpertLoad, ExpertPlacement, rebalance
 from deepinfer.parallel.ranks import Ranks
 from deepinfer.plugins.interfaces import ExpertWeights, TokenExchange
+from deepinfer.plugins.manager import select_backend
 
 logger = init_logger(__name__)
 
@@ -73,6 +74,23 @@ class ExpertParallel:
         self.balancedness: list[Balancedness] = []  # one per rebalance
         self._moe_layers: list = []
         self._move: _Move | None = None
+
+    @classmethod
+    def for_engine(cls, config, model_config, ranks: Ranks | None) -> "ExpertParallel | None":
+        """The engine's expert parallelism, when ``enable_expert_parallel`` asks for it."""
+        if not config.enable_expert_parallel:
+            return None
+        if ranks is None or ranks.world_size == 1:
+            raise ValueError("enable_expert_parallel=True needs more than one rank: set data_parallel_size (the "
+                             "experts are spread over the data-parallel ranks)")
+        exchange, _ = select_backend("deepinfer_token_exchange", config=config, ranks=ranks)
+        experts = model_config.n_routed_experts
+        ep = cls(ranks, exchange, model_config.num_layers, experts, num_redundant=config.num_redundant_experts,
+                 eplb=config.enable_eplb, step_interval=config.eplb_step_interval)
+        logger.info("expert parallelism: %d experts per layer over %d ranks, %d slots each%s", experts,
+                    ranks.world_size, ep.placement.slots_per_rank,
+                    f", EPLB every {config.eplb_step_interval} steps" if config.enable_eplb else "")
+        return ep
 
     # -- weights ------------------------------------------------------------------------------
     def held_experts(self, layer: int) -> list[int]:
