@@ -2,6 +2,7 @@
 
 * Packaging and hooks: the entry point, importing without torch_npu, declining on a CPU, without torch_npu and in
   batch-invariant mode, the clear error for ``device="npu"`` without torch_npu, ``tools/ascend_validate.py``'s exit.
+* Expert parallelism's token exchange: tests/test_ascend_exchange.py.
 * Conversions: the backends' own code run with each torch_npu operator replaced by ``DOCUMENTED``, plain-torch
   renderings of what the operator's op-plugin doc (and its CPU golden) says it computes, which also assert the
   input constraints the doc states. Equal to the reference backends on random inputs, they show that the arguments
@@ -46,10 +47,14 @@ CPU = torch.device("cpu")
 NPU_LIKE = SimpleNamespace(type="npu")  # what torch.device("npu") is once torch_npu is imported; unbuildable here
 SERVED_HOOKS = ("deepinfer_attention_backend", "deepinfer_moe_backend", "deepinfer_mhc_backend")
 MODULES = ("deepinfer_ascend", "deepinfer_ascend.npu", "deepinfer_ascend.layouts", "deepinfer_ascend.attention",
-           "deepinfer_ascend.moe", "deepinfer_ascend.mhc", "deepinfer_ascend.plugin")
+           "deepinfer_ascend.moe", "deepinfer_ascend.mhc", "deepinfer_ascend.exchange", "deepinfer_ascend.plugin")
 
 
 # --- packaging and hooks -----------------------------------------------------------------------------------------
+
+def _ranks(device):
+    return SimpleNamespace(rank=0, world_size=2, device=device, device_group=None, control_group=None)
+
 
 def test_distribution_declares_the_entry_point_and_no_torch_npu_dependency():
     project = tomllib.loads((ROOT / "backends" / "ascend" / "pyproject.toml").read_text())["project"]
@@ -80,6 +85,8 @@ def test_entry_point_loads_and_the_builtins_serve_a_cpu(install, monkeypatch):
     for hook in (*SERVED_HOOKS, "deepinfer_linear_backend", "deepinfer_sampler"):
         _, served_by = select_backend(hook, config=None, device=CPU)
         assert served_by.startswith("deepinfer.plugins.builtin."), (hook, served_by)
+    _, served_by = select_backend("deepinfer_token_exchange", config=None, ranks=_ranks(CPU))
+    assert served_by.startswith("deepinfer.plugins.builtin."), served_by
 
 
 @pytest.mark.parametrize("hook", SERVED_HOOKS)

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Validate DeepInfer's Ascend backend on an Ascend NPU (it has not been run on one by its authors).
 
-    python tools/ascend_validate.py [--device npu:0] [--max-tokens 24] [--skip-e2e]
+    python tools/ascend_validate.py [--device npu:0] [--max-tokens 24] [--skip-e2e] [--skip-ep]
 
 1. Each hook the Ascend plugin serves, on random inputs at DeepSeek-V4 shapes (512-wide heads, 64/128 heads, MXFP4
    and FP8 experts, 4 hyper-connection streams), on the NPU against the torch reference on the CPU.
-2. Which plugin the engine picks for every hook on the NPU.
-3. Greedy generation with the embedded model (deepinfer-tiny-v4.1) and a tiny random V4, on the NPU and on the CPU:
+2. Expert parallelism's token exchange (npu_moe_distribute_dispatch_v2/combine_v2) on NPUs 0 and 1: two processes
+   exchange bf16 tokens of hidden size 4096, run the torch reference MoE on their own experts and must give the
+   single-process reference's output. Skipped, saying so, with fewer than 2 NPUs.
+3. Which plugin the engine picks for every hook on the NPU.
+4. Greedy generation with the embedded model (deepinfer-tiny-v4.1) and a tiny random V4, on the NPU and on the CPU:
    the tokens must agree. (Their 64-wide heads are outside npu_sparse_flash_attention's D=512: attention runs the
    reference there; step 1 covers the operator.)
 
@@ -152,6 +155,84 @@ def mhc_checks(ops, device) -> list[Check]:
     return checks
 
 
+def _ep_rank(rank: int, port: int, results) -> None:
+    """One of two expert-parallel ranks: every (label, relative error or error text) goes to ``results``."""
+    import torch.distributed as dist
+    import torch_npu
+    from types import SimpleNamespace
+
+    sys.path[:0] = [str(ROOT), str(ROOT / "backends" / "ascend")]
+    from deepinfer.plugins.builtin.torch_moe import TorchMoE
+    from deepinfer.plugins.interfaces import ExpertWeights
+    from deepinfer_ascend.exchange import AscendExchange
+
+    device = torch.device("npu", rank)
+    torch_npu.npu.set_device(device)
+    dist.init_process_group("hccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ranks = SimpleNamespace(rank=rank, world_size=2, device=device, device_group=dist.group.WORLD,
+                            control_group=dist.new_group(backend="gloo"))
+    exchange = AscendExchange.for_ranks(torch_npu, ranks, most=16)  # 16 tokens per call: 40 take three calls
+    experts, per_rank, k, hidden = 16, 8, 6, 4096
+    g = torch.Generator().manual_seed(0)  # the same inputs on both ranks
+    stacks = [torch.randn(experts, r, c, generator=g) * c ** -0.5 for r, c in ((512, hidden), (512, hidden),
+                                                                              (hidden, 512))]
+    every = ExpertWeights(*(w.bfloat16() for w in stacks), 10.0)
+    mine = ExpertWeights(*(w[rank * per_rank:(rank + 1) * per_rank].to(device) for w in (every.w1, every.w3,
+                                                                                          every.w2)), 10.0)
+    for label, tokens in (("one call", (3, 5)), ("three calls, a rank without tokens", (40, 0))):
+        inputs = [((torch.randn(n, hidden, generator=g) * 3).bfloat16(),
+                   torch.rand(n, experts, generator=g).argsort(1)[:, :k], torch.rand(n, k, generator=g))
+                  for n in tokens]
+        x, ids, weights = inputs[rank]
+        try:
+            work = exchange.dispatch(x.to(device), ids.to(device), weights.to(device), per_rank)
+            computed = (TorchMoE().routed_experts(work.rows, work.slots[:, None], work.weights[:, None], mine)
+                        if work.rows.shape[0] else work.rows)
+            out = exchange.combine(computed, work, x.shape[0]).float().cpu()
+            reference = TorchMoE().routed_experts(x, ids, weights, every).float()
+            error = float((out - reference).norm() / reference.norm().clamp_min(1e-30)) if x.shape[0] else 0.0
+            results.put((rank, label, error))
+        except Exception as exc:  # reported as a failed check, on both ranks' behalf
+            results.put((rank, label, f"{type(exc).__name__}: {exc}"))
+    dist.destroy_process_group()
+
+
+def ep_checks() -> list[Check]:
+    import queue
+    import socket
+    import torch.multiprocessing as mp
+    import torch_npu
+
+    visible = torch_npu.npu.device_count()
+    if visible < 2:
+        print(f"expert-parallel exchange: skipped (needs 2 NPUs, {visible} visible)")
+        return []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=_ep_rank, args=(rank, port, results)) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    checks = []
+    for _ in range(4):  # two cases on two ranks; read before joining (a process ends once its queue is drained)
+        try:
+            rank, label, error = results.get(timeout=600)
+        except queue.Empty:
+            checks.append(Check("ep: every rank reported", float("nan"), 0,
+                                f"a rank hung or died (exit codes {[w.exitcode for w in workers]})"))
+            break
+        failed = isinstance(error, str)
+        checks.append(Check(f"ep: {label}, rank {rank}", float("nan") if failed else error, 1e-2,
+                            error if failed else "npu_moe_distribute_dispatch_v2/combine_v2, 2 NPUs"))
+    for worker in workers:
+        worker.join(timeout=60)
+        if worker.is_alive():
+            worker.kill()
+    return checks
+
+
 def selected_backends(device) -> list[str]:
     from deepinfer.core.config import EngineConfig
     from deepinfer.plugins import manager
@@ -199,6 +280,7 @@ def main() -> int:
     parser.add_argument("--device", default="npu:0")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--skip-e2e", action="store_true", help="only the per-hook checks")
+    parser.add_argument("--skip-ep", action="store_true", help="no expert-parallel exchange check (it needs 2 NPUs)")
     args = parser.parse_args()
     torch_npu = require_npu(args.device)
     if importlib.util.find_spec("deepinfer_ascend") is None:
@@ -210,6 +292,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, torch_npu {torch_npu.__version__}, CANN {cann}, "
           f"{torch_npu.npu.get_device_name(device)}")
     checks = attention_checks(torch_npu, device) + moe_checks(torch_npu, device) + mhc_checks(torch_npu, device)
+    if not args.skip_ep:
+        checks += ep_checks()
     print("backends the engine picks on", device)
     print("\n".join(selected_backends(device)))
     if not args.skip_e2e:

@@ -5,7 +5,8 @@ Sources (nothing here was run on Ascend hardware):
 * signatures: the schemas registered in the torch_npu 2.13.0 wheel (``libtorch_npu.so``, the version matching
   torch 2.13.0); every keyword this package passes exists there;
 * semantics and products: Ascend/op-plugin ``docs/zh/custom_APIs/torch_npu/*.md`` and the CPU goldens in
-  ``test/test_custom_ops/*.py`` at commit 517f2e7 (2026-08-21);
+  ``test/test_custom_ops/*.py`` at commit 517f2e7 (2026-08-21) ("950: in tests": the doc lists A2/A3, op-plugin's
+  tests of the operator also name the Ascend 950);
 * CANN: no document read states the CANN version an operator needs. torch_npu 2.13.0's README tables stop at
   CANN 8.5.0 (torch 2.12); vllm-ascend pairs CANN 9.1.0 with torch_npu 2.10.0.post4 for the Ascend 950. Nothing
   public was found about CANN 9.2, the spec's version.
@@ -19,6 +20,8 @@ npu_grouped_matmul                     the experts' w1|w3 and w2 products       
 npu_clipped_swiglu                     clamped SwiGLU (alpha 1, bias 0, halves)             A2/A3 (950 not listed)
 npu_mhc_sinkhorn                       hyper-connection Sinkhorn                            950PR/950DT
 npu_mhc_post                           hyper-connection expansion                           950PR/950DT
+npu_moe_distribute_dispatch_v2         expert parallelism: tokens to their experts' ranks   A2/A3 (950: in tests)
+npu_moe_distribute_combine_v2          expert parallelism: weighted rows back, summed       A2/A3 (950: in tests)
 =====================================  ===================================================  ======================
 """
 
