@@ -16,6 +16,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.cli import main
+from deepinfer.plugins.manager import DEFAULT_PLUGINS
 
 EMBEDDED = "deepinfer-tiny-v4.1"
 
@@ -64,7 +65,9 @@ def test_plugins_lists_the_builtins_and_their_hooks(capsys):
     lines = _lines(capsys)
     assert any(line.startswith("deepinfer.plugins.builtin.torch_sampler ") and line.endswith(": deepinfer_sampler")
                for line in lines)
-    assert sum("deepinfer.plugins.builtin." in line for line in lines) == 5
+    assert any(line.startswith("deepinfer.plugins.builtin.torch_exchange ")
+               and line.endswith(": deepinfer_token_exchange") for line in lines)
+    assert sum("deepinfer.plugins.builtin." in line for line in lines) == len(DEFAULT_PLUGINS)
 
 
 @pytest.mark.parametrize("argv", [[], ["generate"], ["plugins"], ["env"], ["bench"], ["bench", "latency"]])
