@@ -90,6 +90,15 @@ def _engines(args):
     return [name for name in ENGINES if name == "deepinfer" or args.compare_hf]
 
 
+def timed_generate(llm, prompts, params) -> tuple[float, int]:
+    """Seconds ``llm.generate`` takes (the device's queue drained on both sides) and the tokens it generated."""
+    _synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _synchronize()
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
 def _timed(generate, prompts, output_len: int) -> tuple[float, int]:
     _synchronize()
     start = time.perf_counter()

@@ -15,11 +15,10 @@ served the window (fitted on the window before) and under the one refitted to it
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from deepinfer.bench import _add_common, _release, _synchronize
+from deepinfer.bench import _add_common, _release, timed_generate
 
 
 def _prompts(args, vocab: int) -> list[list[int]]:
@@ -58,12 +57,7 @@ def _run_one(args, prompts: list[list[int]], parallel: dict) -> dict:
     if ep is not None:
         ep.exchange_time.reset()
         ep.balancedness.clear()
-    _synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    _synchronize()
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    elapsed, tokens = timed_generate(llm, prompts, params)
     result = {"elapsed_time": elapsed, "output_tokens": tokens, "output_tokens_per_second": tokens / elapsed}
     if ep is not None:
         result["exchange_share_of_time_rank0"] = ep.exchange_time.total() / elapsed

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
-from deepinfer.bench import _add_common, _synchronize
+from deepinfer.bench import _add_common, timed_generate
 from deepinfer.bench_speculative import PROMPTS
 
 SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
@@ -38,12 +37,7 @@ def run(args, vocab: int) -> dict:
                                 ignore_eos=so_args is None)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (and the grammar's compilation)
         llm.engine.step_metrics.reset()
-        _synchronize()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        _synchronize()
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        elapsed, tokens = timed_generate(llm, prompts, params)
         metrics = llm.engine.step_metrics
         results[name] = {"tokens": tokens, "tokens_per_second": tokens / elapsed, "steps": metrics.steps,
                          "ms_per_step": 1e3 * elapsed / max(metrics.steps, 1),
