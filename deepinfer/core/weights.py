@@ -90,10 +90,14 @@ class LoadPlan:
     held_experts: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
     def local_slots(self, stacked: str, expert: int) -> list[int]:
-        """Where checkpoint expert ``expert`` of ``stacked`` goes in this process's stack: its own index, or under
-        expert parallelism every local slot that holds it (none: another rank's expert)."""
-        held = self.held_experts.get(stacked)
-        return [expert] if held is None else [slot for slot, e in enumerate(held) if e == expert]
+        return _local_slots(self.held_experts, stacked, expert)
+
+
+def _local_slots(held_experts: Mapping[str, Sequence[int]], stacked: str, expert: int) -> list[int]:
+    """Where checkpoint expert ``expert`` of ``stacked`` goes in this process's stack: its own index, or under
+    expert parallelism every local slot that holds it (none: another rank's expert)."""
+    held = held_experts.get(stacked)
+    return [expert] if held is None else [slot for slot, e in enumerate(held) if e == expert]
 
 
 def plan_load(
@@ -115,7 +119,6 @@ def plan_load(
     """
     model_dir = Path(model_dir)
     index = CheckpointIndex.from_dir(model_dir)
-    slots = LoadPlan(index, {}, {}, [], set(), [], canonical, held_experts or {}).local_slots
     problems = _Problems()
     parts: dict[str, list[_Part]] = {}  # canonical (stacked) name -> its parts
     mapped, skipped = [], 0
@@ -133,7 +136,7 @@ def plan_load(
             slot = expert_slot(part_name)
             if slot is None:
                 parts.setdefault(part_name, []).append(_Part(part_name, None, tuple(part.shape), stored))
-            for local in [] if slot is None else slots(*slot):
+            for local in [] if slot is None else _local_slots(held_experts or {}, *slot):
                 parts.setdefault(slot[0], []).append(_Part(slot[0], local, tuple(part.shape), stored))
     if skipped:
         logger.debug("Skipping %d tensors in %s that this model does not use", skipped, model_dir)

@@ -217,7 +217,7 @@ def start(world_size: int, device: torch.device, config) -> Ranks:
     logger.info("spawned ranks 1-%d of a %d-rank job", world_size - 1, world_size)
     try:
         ranks = _join(0, world_size, 0, device, init_method)
-    except BaseException:
+    except BaseException:  # re-raised: the spawned ranks just must not outlive it
         for process in workers:
             process.kill()
         raise
@@ -234,8 +234,10 @@ def _spawned_rank(rank: int, world_size: int, device: torch.device, init_method:
         ranks = _join(rank, world_size, rank, device, init_method)
         ranks.serve(LLM._as_rank(config, ranks))
         ranks._end()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
+    except BaseException:  # not swallowed: rank 0 raises this traceback as the job's error
+        trace = traceback.format_exc()
+        logger.error("rank %d failed: %s", rank, trace.strip().splitlines()[-1])
+        errors.put((rank, trace))
         errors.close()
         errors.join_thread()  # the traceback must reach rank 0 before this process ends
         os._exit(1)  # not a clean shutdown: the job is over, and a collective may still hold this process

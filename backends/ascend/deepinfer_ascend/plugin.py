@@ -57,22 +57,24 @@ def deepinfer_configure_engine(config):
         raise ValueError(f"device={config.device!r}, but torch_npu sees no NPU (is CANN's set_env.sh sourced?)")
 
 
+def _backend(device, backend_class):
+    module = _serving(device)
+    return None if module is None else backend_class(module)
+
+
 @hookimpl
 def deepinfer_attention_backend(config, device):
-    module = _serving(device)
-    return None if module is None else AscendAttention(module)
+    return _backend(device, AscendAttention)
 
 
 @hookimpl
 def deepinfer_moe_backend(config, device):
-    module = _serving(device)
-    return None if module is None else AscendMoE(module)
+    return _backend(device, AscendMoE)
 
 
 @hookimpl
 def deepinfer_mhc_backend(config, device):
-    module = _serving(device)
-    return None if module is None else AscendMHC(module)
+    return _backend(device, AscendMHC)
 
 
 @hookimpl
