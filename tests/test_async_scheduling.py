@@ -32,7 +32,7 @@ def _outputs(llm, params):
     row count, which may differ in the last float bit (not batch-invariant mode)."""
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     exact = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
-    logprobs = [c.cumulative_logprob for o in outputs for c in o.outputs]
+    logprobs = [c.cumulative_logprob for o in outputs for c in o.outputs if c.cumulative_logprob is not None]
     logprobs += [lp.logprob for o in outputs for c in o.outputs for step in (c.logprobs or []) for lp in step.values()]
     return exact, logprobs
 

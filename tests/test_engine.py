@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.plugins import hookimpl
@@ -210,6 +211,27 @@ def test_logprobs(llm):
     for token, step in zip(out.token_ids, out.logprobs):
         assert step[token].rank == 1 and len(step) == 3
     assert out.cumulative_logprob == pytest.approx(sum(step[t].logprob for t, step in zip(out.token_ids, out.logprobs)))
+    # not asked for: neither is kept (as in vLLM), and the sampler skips the vocabulary softmax; same tokens
+    plain = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert plain[0].outputs[0].logprobs is None and plain[0].outputs[0].cumulative_logprob is None
+    assert plain[0].outputs[0].token_ids == out.token_ids
+
+
+def test_sampler_skips_logprobs_nobody_asked_for():
+    from deepinfer.core.request import Request
+    from deepinfer.core.sampling_batch import build_sampling_batch
+    from deepinfer.plugins.builtin.torch_sampler import TorchSampler
+
+    logits = torch.randn(2, 50)
+    def request(params):
+        return Request("r", 0, None, [1, 2], params, eos_token_ids=(0,))
+
+    requests = [request(SamplingParams(temperature=0)), request(SamplingParams(temperature=0))]
+    quiet = build_sampling_batch([(r, 0) for r in requests], 50, "cpu")
+    assert not quiet.any_logprobs and TorchSampler().sample(logits, quiet).logprobs is None
+    requests[1] = request(SamplingParams(temperature=0, logprobs=0))
+    asked = TorchSampler().sample(logits, build_sampling_batch([(r, 0) for r in requests], 50, "cpu"))
+    assert torch.allclose(asked.logprobs, logits.log_softmax(-1).max(-1).values)
 
 
 def test_bad_input_errors_name_the_problem(llm, tiny_v4_checkpoint):

@@ -21,14 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidi
 
 from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
-from deepinfer_nvidia.fp8_linear import TritonLinear, act_quant  # noqa: E402
+from deepinfer_nvidia.fp8_linear import (SPLIT_MAX_ROWS, TritonLinear, _programs_wanted, act_quant,  # noqa: E402
+                                         split_count)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (tokens, out, in, block): V4's 128 tiles and V4.1's 32 tiles, ragged edges, decode and prefill sizes
-SHAPES = [(1, 64, 96, 32), (5, 70, 96, 32), (3, 130, 256, 128)]
+# (the second line's are split over K: a few rows and a long K, as in decode)
+SHAPES = [(1, 64, 96, 32), (5, 70, 96, 32), (3, 130, 256, 128),
+          (2, 64, 512, 32), (1, 40, 416, 32)]
 if CUDA:
     SHAPES += [(1, 4096, 4096, 128), (64, 1024, 4096, 128), (300, 2048, 7168, 128), (16, 5120, 1024, 32),
-               (1000, 3072, 5120, 32)]
+               (1000, 3072, 5120, 32), (1, 1536, 5120, 32), (4, 7168, 2048, 128)]
 
 
 def _poison() -> None:
@@ -70,6 +73,18 @@ def test_fp8_linear_matches_the_reference(tokens, out, cols, block, dtype):
     magnitude = round_fp8(x.float(), block).abs() @ dequantize(weight, scale, torch.float32).abs().T
     tolerance = magnitude * (2**-9 if CUDA else 1e-5) + (reference.abs() * 2**-7 if dtype == torch.bfloat16 else 0)
     assert torch.all((ours.float() - reference).abs() <= tolerance)
+
+
+def test_decode_sized_calls_split_k_and_others_do_not():
+    programs = _programs_wanted(DEVICE)
+    assert split_count(2, 64, 16, programs) == 4 and split_count(1, 40, 13, programs) == 3  # 5 + 5 + 3 blocks
+    if CUDA:
+        assert split_count(1, 1536, 160, programs) > 4
+    assert split_count(SPLIT_MAX_ROWS + 1, 64, 160, programs) == 1  # prefill-sized: the autotuned tiles
+    assert split_count(1, 64, 3, programs) == 1  # too short a K to split
+    for m, n, blocks in ((1, 40, 13), (3, 64, 17), (1, 8, 160)):  # no split is left without a K tile
+        splits = split_count(m, n, blocks, programs)
+        assert (splits - 1) * -(-blocks // splits) < blocks
 
 
 def test_plugin_answers_only_on_cuda():

@@ -12,7 +12,9 @@
 # (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
-# TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`. Results come back as results.tgz.
+# TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`, IDLE_ASYNC=1 skips its runs without overlap and
+# HOST_PROFILE=0 its host profile. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
+# saves the compiling. Results come back as results.tgz.
 set -uo pipefail
 sections=",$1,"
 # the device tool returns a few files only: results go to one archive, repacked as each section starts
@@ -25,6 +27,8 @@ stamp() { pack; echo "== $(date +%T) $*"; }
 # DeepGEMM compiles each GEMM shape with NVCC on first use (minutes on a fresh box) and Triton autotunes: both
 # caches live in .jit-cache, which comes back as jit-cache.tgz for the next call to carry
 export DG_JIT_CACHE_DIR="$PWD/.jit-cache/deep_gemm" TRITON_CACHE_DIR="$PWD/.jit-cache/triton"
+# a previous call's caches, carried back as one archive (the run tool carries 64 MiB; the unpacked caches are more)
+[[ -f .jit-cache/previous.tgz ]] && tar xzf .jit-cache/previous.tgz && echo "jit caches: $(du -sh .jit-cache | cut -f1) restored"
 
 if has install; then
     stamp install
@@ -102,7 +106,7 @@ if has idle; then  # issue 7: device idle share between replayed decode steps, w
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     for m in ${IDLE_MODELS:-/tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1}; do
         for b in 1 64; do
-            for a in 1 0; do
+            for a in ${IDLE_ASYNC:-1 0}; do
                 [[ $a == 0 && $m != /tmp/flash4L ]] && continue  # without overlap: flash4L only (time)
                 dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
                 stamp "idle $m b$b async=$a"
@@ -112,7 +116,7 @@ if has idle; then  # issue 7: device idle share between replayed decode steps, w
         done
     done
     stamp "host profile flash4L b1"  # where the host's step goes at batch 1
-    timeout 200 python tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
+    [[ ${HOST_PROFILE:-1} == 1 ]] && timeout 200 python tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
         2>&1 | grep -v INFO > "$out/host_flash4L_b1.txt"
 fi
 if has small; then
@@ -168,4 +172,4 @@ if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF 
     model=/tmp/v41flash8L latency v41_b64 --batch-size 64 --input-len 512 --output-len 64
 fi
 stamp done
-du -sh .jit-cache/* && tar czf "$top/jit-cache.tgz" .jit-cache
+du -sh .jit-cache/* && tar czf "$top/jit-cache.tgz" --exclude=previous.tgz .jit-cache

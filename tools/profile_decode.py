@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="replay CUDA graphs and report the device idle share")
     parser.add_argument("--host-profile", action="store_true", help="with --graphs: where the host's time goes "
                         "(cProfile of the same steps, run again without the device profiler)")
+    parser.add_argument("--top", type=int, default=30, help="with --graphs: how many kernels to list by device time")
     parser.add_argument("--dummy", action="store_true", help="load_format=dummy, dtype bfloat16")
     args = parser.parse_args()
     extra = {"load_format": "dummy", "dtype": "bfloat16"} if args.dummy else {}
@@ -77,6 +78,10 @@ def main() -> None:
             # either makes some measured steps eager (recomputed prefills, a capture's warm-up run)
             "preemptions_while_measured": engine.scheduler.num_preemptions - preempted,
             "graphs_captured_while_measured": (len(engine.graphs.graphs) if engine.graphs else 0) - graphs,
+            "kernels_per_step": round(sum(e.count for e in prof.key_averages()) / args.steps, 1),
+            # where the replayed step's device time goes: [name, µs per step, launches per step], largest first
+            "top_kernels": [[e.key[:70], round(e.self_device_time_total / args.steps, 1), e.count / args.steps]
+                            for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.top]],
         }
         if args.host_profile:
             import cProfile

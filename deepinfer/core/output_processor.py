@@ -30,7 +30,7 @@ class OutputProcessor:
         """Puts each request's sampled token at ``positions`` (its placeholder), records logprobs and text, and
         returns the requests that finished; a finished one loses any later placeholder (a step already in flight)."""
         token_ids = sampled.token_ids.tolist()
-        logprobs = sampled.logprobs.tolist()
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
         top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         now = time.monotonic()
@@ -39,7 +39,7 @@ class OutputProcessor:
             if request.finished:  # found finished one step earlier, while this step was already running
                 continue
             request.token_ids[position] = token_ids[row]
-            if self._record(request, position, logprobs[row], top_ids, top_values, row, now):
+            if self._record(request, position, logprobs and logprobs[row], top_ids, top_values, row, now):
                 finished.append(request)
         return finished
 
@@ -48,7 +48,8 @@ class OutputProcessor:
         does; ``sampled`` holds the sampler's outputs as host lists. Returns whether the request finished."""
         for row in rows:
             request.token_ids.append(sampled["token_ids"][row])
-            if self._record(request, len(request.token_ids) - 1, sampled["logprobs"][row], sampled["top_logprob_ids"],
+            logprobs = sampled["logprobs"]
+            if self._record(request, len(request.token_ids) - 1, logprobs and logprobs[row], sampled["top_logprob_ids"],
                             sampled["top_logprobs"], row, now):
                 return True
         return False
@@ -60,10 +61,10 @@ class OutputProcessor:
         if request.grammar is not None and not request.grammar.accept(token):
             raise RuntimeError(f"request {request.request_id}: sampled token {token}, which its grammar forbids "
                                "(the mask was not applied)")
-        request.cumulative_logprob += logprob
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         if request.logprobs is not None:
+            request.cumulative_logprob += logprob
             request.logprobs.append(self._logprobs(request, token, logprob, top_ids, top_values, row))
         if not self._check_stop(request, token, position + 1):
             return False

@@ -38,7 +38,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     detokenizer: object = None  # IncrementalDetokenizer; its .text is the output text
     logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # as vLLM: kept only when ``logprobs`` is asked for
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -47,7 +47,7 @@ class Request:
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
-            self.logprobs = []
+            self.logprobs, self.cumulative_logprob = [], 0.0
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=time.monotonic())
 

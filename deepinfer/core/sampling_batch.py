@@ -59,4 +59,5 @@ def build_sampling_batch(rows: list[tuple[Request, int]], vocab_size: int, devic
         any_penalties=penalised,
         any_top_k_top_p=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params),
         any_seeded=any(p.seq_seed is not None for p in params),
+        any_logprobs=bool(asked),
     )

@@ -197,12 +197,15 @@ class SamplingBatch:
     # what the host already knows, so a sampler need not ask the device (a host sync) to skip work
     any_top_k_top_p: bool = True
     any_seeded: bool = True
+    any_logprobs: bool = True  # False: no row records log-probabilities, so ``SamplerOutput.logprobs`` may be None
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] fp32, log-probability of each sampled token (raw model distribution)
+    # [B] fp32, log-probability of each sampled token (raw model distribution); None when no row asked for any
+    # (``SamplingBatch.any_logprobs``): a softmax over the vocabulary costs a decode step at batch 1 tens of µs
+    logprobs: torch.Tensor | None
     top_logprob_ids: torch.Tensor | None  # [B, num_logprobs] int64
     top_logprobs: torch.Tensor | None  # [B, num_logprobs] fp32
 

@@ -24,7 +24,12 @@ EXPERT_POINTERS = {"a_rows_ptr": "*i32", "out_ptr": "*fp32", "out_rows_ptr": "*i
 CASES = {
     "fp8 gemm": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                                                 "sw_ptr": "*fp32", "y_ptr": "*bf16"},
-                 {"NUM_BLOCKS": 32, "W_ROW_TILE": 128, "BK": 128, "NATIVE_FP8": True, "BM": 16, "BN": 64}),
+                 {"NUM_BLOCKS": 32, "BLOCKS_PER_SPLIT": 32, "W_ROW_TILE": 128, "BK": 128, "NATIVE_FP8": True, "BM": 16, "BN": 64}),
+    "fp8 gemm, split K": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                                                        "sw_ptr": "*fp32", "y_ptr": "*fp32"},
+                          {"NUM_BLOCKS": 160, "BLOCKS_PER_SPLIT": 12, "W_ROW_TILE": 32, "BK": 32, "NATIVE_FP8": True, "BM": 16, "BN": 128}),
+    "fp8 split sum": (fp8_linear._sum_splits_kernel, {"partial_ptr": "*fp32", "y_ptr": "*bf16"},
+                      {"SPLITS": 6, "BLOCK": 1024}),
     "activation quant": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                          {"BLOCK": 128, "NATIVE_FP8": True}),
     "attention bf16": (attention._attention_kernel,
@@ -54,7 +59,7 @@ CASES = {
                       {"K": 4096, "BLOCK_M": 64, "BN": 64, "BK": 64, "SWIGLU": True, "NATIVE": True}),
     "expert blocks": (moe_blocks._blocks_kernel, {"ids_ptr": "*i64", **{f"{n}_ptr": "*i32" for n in (
                           "order", "token_of", "sorted_rows", "expert", "start", "rows")}},
-                      {"TOP_K": 6, "BM": 16, "E_PAD": 256, "CHUNK": 64}),
+                      {"TOP_K": 6, "BM": 16, "E_PAD": 256, "CHUNK": 16}),
     "expert combine": (moe_blocks._combine_kernel, {"down_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": "*bf16"},
                        {"TOP_K": 6, "BLOCK_D": 1024}),
     "rope": (rope._rotate_kernel, {"x_ptr": "*bf16", "phases_ptr": "*fp32", "out_ptr": "*bf16"},

@@ -75,28 +75,46 @@ def _prune(configs, named_args, **kwargs):
 
 @triton.jit
 def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, stride_q, stride_w, stride_sw,
-                     stride_y, NUM_BLOCKS: tl.constexpr, W_ROW_TILE: tl.constexpr, BK: tl.constexpr,
-                     NATIVE_FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                     stride_y, stride_split, NUM_BLOCKS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                     W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr):
+    """One [BM, BN] tile of ``y``; split over K (program axis 2), each split's fp32 partial sum goes to its own
+    slab of ``y`` (``stride_split`` apart) for ``_sum_splits_kernel``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    first = tl.program_id(2) * BLOCKS_PER_SPLIT
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for block in range(NUM_BLOCKS):
+    for step in range(BLOCKS_PER_SPLIT):  # the last split's surplus steps load nothing
+        block = first + step
         k = block * BK + offs_k
-        a = tl.load(q_ptr + offs_m[:, None] * stride_q + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + offs_n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+        k_ok = k < K
+        a = tl.load(q_ptr + offs_m[:, None] * stride_q + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + offs_n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if NATIVE_FP8:
             part = tl.dot(a, tl.trans(b))
         else:  # the interpreter (and pre-Hopper GPUs) multiply the same values in fp32
             part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
-        sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + block, mask=m_ok, other=0.0)
-        sw = tl.load(sw_ptr + (offs_n // W_ROW_TILE) * stride_sw + block, mask=n_ok, other=0.0)
+        in_k = block < NUM_BLOCKS
+        sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + block, mask=m_ok & in_k, other=0.0)
+        sw = tl.load(sw_ptr + (offs_n // W_ROW_TILE) * stride_sw + block, mask=n_ok & in_k, other=0.0)
         acc += part * sx[:, None] * sw[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptr + tl.program_id(2) * stride_split + offs_m[:, None] * stride_y + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, y_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``y`` = the splits' partial sums added in split order (the same order every call: deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.load(partial_ptr + offs, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        acc += tl.load(partial_ptr + split * size + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,21 +146,54 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
     flat = x.reshape(-1, k).contiguous()
     q, sx = act_quant(flat, activation_block)
     y = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)
-    m = flat.shape[0]
-    if m:
-        def grid(meta):
-            return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"])
+    m, num_blocks = flat.shape[0], sx.shape[1]
+    if not m:
+        return y.view(*x.shape[:-1], n)
+    splits = 1 if pinned else split_count(m, n, num_blocks, _programs_wanted(x.device))
+    # the interpreter cannot time configurations: it runs the smallest tile
+    if splits > 1 or _INTERPRETED:
+        kernel, tiles = _fp8_gemm_kernel, SPLIT_TILES if not _INTERPRETED else {"BM": 16, "BN": 32}
+    else:
+        kernel, tiles = (_fp8_gemm_kernel, PINNED_TILES) if pinned else (_tuned_gemm(), {})
+    per_split = triton.cdiv(num_blocks, splits)
+    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
 
-        # the interpreter cannot time configurations: it runs the smallest tile
-        if _INTERPRETED:
-            kernel, tiles = _fp8_gemm_kernel, {"BM": 16, "BN": 32}
-        else:
-            kernel, tiles = (_fp8_gemm_kernel, PINNED_TILES) if pinned else (_tuned_gemm(), {})
-        kernel[grid](q, sx, weight, _fp32_scales(scale), y, m, n, k, min(triton.next_power_of_2(m), 128),
-                     q.stride(0), weight.stride(0), scale.shape[1], y.stride(0), NUM_BLOCKS=sx.shape[1],
-                     W_ROW_TILE=infer_block(n, scale.shape[0]), BK=activation_block, NATIVE_FP8=_native_fp8(x.device),
-                     **tiles)
+    def grid(meta):
+        return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]), splits
+
+    kernel[grid](q, sx, weight, _fp32_scales(scale), out, m, n, k, min(triton.next_power_of_2(m), 128), q.stride(0),
+                 weight.stride(0), scale.shape[1], n, m * n, NUM_BLOCKS=num_blocks, BLOCKS_PER_SPLIT=per_split,
+                 W_ROW_TILE=infer_block(n, scale.shape[0]), BK=activation_block, NATIVE_FP8=_native_fp8(x.device),
+                 **tiles)
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, m * n, SPLITS=splits, BLOCK=1024)
     return y.view(*x.shape[:-1], n)
+
+
+# Decode-sized calls (a few rows) have a handful of column tiles, each looping over all of K: a 1536 x 5120
+# projection is 12 programs on a 132-SM GPU. Splitting K gives every SM work; the partial sums cost one more
+# launch and m x n x splits fp32 values, which only pays while m is small.
+SPLIT_MAX_ROWS = 64
+SPLIT_TILES = {"BM": 16, "BN": 128, "num_warps": 4, "num_stages": 6}
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def split_count(m: int, n: int, num_blocks: int, programs: int) -> int:
+    """How many K splits give about ``programs`` programs (each split at least ``MIN_BLOCKS_PER_SPLIT`` K tiles),
+    with no two splits' block ranges empty."""
+    if m > SPLIT_MAX_ROWS:
+        return 1
+    tile_n = 32 if _INTERPRETED else SPLIT_TILES["BN"]
+    tiles = triton.cdiv(m, 16) * triton.cdiv(n, tile_n)
+    splits = max(1, min(num_blocks // MIN_BLOCKS_PER_SPLIT, triton.cdiv(programs, tiles)))
+    return triton.cdiv(num_blocks, triton.cdiv(num_blocks, splits))  # every split gets at least one block
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter: enough to split the tests' small shapes
+        return 8
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

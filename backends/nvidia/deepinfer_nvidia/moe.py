@@ -13,12 +13,14 @@ w1 and w3 share one launch: each block reads its activation tile once for both w
 ``swiglu(gate, up)`` (``deepinfer.core.ops``). w2 reads those rows in expert order and writes each result to its
 (token, slot) row, so the top-k sum is a plain reduction rather than a scatter.
 
-MXFP4: Hopper has no FP4 tensor cores, so each tile of e2m1 codes is decoded (bit manipulation, no float math) and
-multiplied by its weight scales (one power of two per 32), which is exact in bf16; the FP8-rounded activations are
-multiplied by theirs (one per ``activation_block``), exact in bf16 too. One bf16 MMA per tile with fp32
-accumulation then gives the reference's result up to fp32 summation order. The decode makes this kernel bound by
-arithmetic rather than bandwidth, and a decode step has few (expert, column tile) programs, so its tile sizes,
-warps and pipeline depth are autotuned per (N, K, rows per block), in the eager run that precedes a graph capture.
+MXFP4: Hopper has no FP4 tensor cores, so each byte of two e2m1 codes is decoded by moving bits into two fp16
+values (the codes times 2^-14; ``_e2m1_scaled``), the low nibbles being the even columns and the high ones the odd.
+The FP8-rounded activations (exact in fp16) are split the same way, and each 32-column block is two fp16 MMAs with
+fp32 accumulation, scaled once by its weight scale (one power of two per 32 columns and row), the activation's
+and 2^14. Every product is exact, so the result is the reference's up to fp32 summation order. The decode is what
+bounds this kernel (a few integer ops per weight value against one byte read per two), and a decode step has few
+(expert, column tile) programs, so its tile sizes, warps and pipeline depth are autotuned per (N, K, rows per
+block), in the eager run that precedes a graph capture.
 
 Float weights: the reference (``project``) multiplies in fp32. Here activations are rounded to the weight's dtype
 for its tensor cores, with fp32 accumulation; for bf16/fp16 weights that rounds SwiGLU's fp32 output (and ``x`` if
@@ -52,26 +54,32 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _e2m1(code):
-    """fp32 value of 4-bit e2m1 codes (bit 3 the sign; 0, 0.5, 1, 1.5, 2, 3, 4, 6), built as bits: no float math.
-    The three magnitude bits placed at fp32's exponent/mantissa boundary, plus 126 in the exponent, are the value
-    for codes 2..7; codes 0 and 1 (zero and the subnormal 0.5) are set apart."""
-    magnitude = code & 7
-    bits = tl.where(magnitude < 2, magnitude * 0x3F000000, (magnitude << 22) + 0x3F000000)
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_scaled(nibble_bits, SIGN_SHIFT: tl.constexpr, MAGNITUDE_SHIFT: tl.constexpr):
+    """fp16 of e2m1 codes times 2^-14, from the int16 bytes holding them: the sign bit moves to fp16's sign and the
+    three magnitude bits to the top of fp16's exponent-low/mantissa-high bits. Codes 2..7 land on normal numbers
+    (2^(e-15) (1 + m/2)), code 1 (0.5) on the subnormal 2^-15, code 0 on zero: no selects, no float math, five
+    integer ops per value."""
+    sign = (nibble_bits & (8 << SIGN_SHIFT)) << (12 - SIGN_SHIFT)
+    bits = sign | ((nibble_bits & (7 << SIGN_SHIFT)) << MAGNITUDE_SHIFT)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _fp4_tile(acc, a, w_ptrs, s_ptrs, n_ok, BN: tl.constexpr, BK: tl.constexpr, NATIVE: tl.constexpr):
-    """``acc`` plus ``a`` [BM, BK] (already scaled, exact in bf16) times BK packed columns of BN weight rows, each
-    32 of them decoded and scaled by their e8m0 exponent first (exact in bf16 too): one MMA per tile."""
-    packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0).to(tl.int32) & 0xFF  # [BN, BK/2]
-    w = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (BN, BK // 32, 32))  # low nibble: even column
-    exponent = tl.load(s_ptrs, mask=n_ok[:, None], other=127).to(tl.int32)  # [BN, BK/32]
-    w = tl.reshape(w * tl.exp2((exponent - 127).to(tl.float32))[:, :, None], (BN, BK))
-    if NATIVE:  # bf16 tensor cores, fp32 accumulation
-        return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
-    return tl.dot(a, tl.trans(w), acc)  # Triton's interpreter has no bf16 arithmetic
+def _fp4_block(acc, a, sa, w_ptrs, sw, n_ok, NATIVE: tl.constexpr):
+    """``acc`` plus one 32-column block: ``a`` [BM, 32] (e4m3 values) times 32 packed columns of BN weight rows,
+    scaled by the activation's ``sa`` [BM] and the weights' ``sw`` [BN] powers of two (with the 2^14 the decode
+    leaves out). The low nibbles are the even columns, the high ones the odd: two K=16 MMAs on split activations
+    instead of interleaving the decoded values."""
+    packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0).to(tl.int16)  # [BN, 16]
+    even = _e2m1_scaled(packed, 0, 9)
+    odd = _e2m1_scaled(packed, 4, 5)
+    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], 16, 2)))
+    if NATIVE:  # fp16 tensor cores (subnormals kept), fp32 accumulation; e4m3 values are exact in fp16
+        part = tl.dot(a_odd.to(tl.float16), tl.trans(odd), tl.dot(a_even.to(tl.float16), tl.trans(even)))
+    else:  # Triton's interpreter: the same values in fp32
+        part = tl.dot(a_odd.to(tl.float32), tl.trans(odd.to(tl.float32)),
+                      tl.dot(a_even.to(tl.float32), tl.trans(even.to(tl.float32))))
+    return acc + part * (sa * 16384.0)[:, None] * sw[None, :]
 
 
 @triton.jit
@@ -124,20 +132,22 @@ def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr,
         return
     expert, start, offs_m, m_ok, rows, offs_n, n_ok = _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr,
                                                                   N, BLOCK_M, BN)
-    w_tile = expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
-    s_tile = expert * stride_swe + offs_n[:, None] * stride_swn + tl.arange(0, BK // 32)[None, :]
+    w_tile = expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    s_tile = expert * stride_swe + offs_n * stride_swn
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     for tile in range(K // BK):
-        k = tile * BK + tl.arange(0, BK)
-        a = tl.load(a_ptr + rows[:, None] * stride_a + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        # the activation's power-of-two scale (one per ACT_BLOCK columns) goes in first: exact, like the weight's
-        a *= tl.load(sa_ptr + rows[:, None] * stride_sa + k[None, :] // ACT_BLOCK, mask=m_ok[:, None], other=0.0)
-        acc = _fp4_tile(acc, a, w_ptr + w_tile + tile * (BK // 2), sw_ptr + s_tile + tile * (BK // 32), n_ok, BN,
-                        BK, NATIVE)
-        if SWIGLU:
-            up = _fp4_tile(up, a, v_ptr + w_tile + tile * (BK // 2), sv_ptr + s_tile + tile * (BK // 32), n_ok, BN,
-                           BK, NATIVE)
+        for block in tl.static_range(BK // 32):  # each 32 columns: one weight scale per row, the sum scaled once
+            k0 = tile * BK + block * 32
+            a = tl.load(a_ptr + rows[:, None] * stride_a + k0 + tl.arange(0, 32)[None, :], mask=m_ok[:, None],
+                        other=0.0)
+            sa = tl.load(sa_ptr + rows * stride_sa + k0 // ACT_BLOCK, mask=m_ok, other=0.0)
+            sw = tl.exp2((tl.load(sw_ptr + s_tile + k0 // 32, mask=n_ok, other=127).to(tl.int32) - 127).to(tl.float32))
+            acc = _fp4_block(acc, a, sa, w_ptr + w_tile + k0 // 2, sw, n_ok, NATIVE)
+            if SWIGLU:
+                sv = tl.exp2((tl.load(sv_ptr + s_tile + k0 // 32, mask=n_ok, other=127).to(tl.int32) - 127)
+                             .to(tl.float32))
+                up = _fp4_block(up, a, sa, v_ptr + w_tile + k0 // 2, sv, n_ok, NATIVE)
     _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
 
 

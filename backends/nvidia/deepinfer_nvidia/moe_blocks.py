@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 MAX_ASSIGNMENTS = 1024  # tokens x top-k up to which the single program wins over the sort (decode batches)
-CHUNK = 64
+MAX_CHUNK = 64
 
 
 @triton.jit
@@ -84,9 +84,12 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
     device = topk_ids.device
     order, token_of, sorted_rows = (torch.empty(assignments, dtype=torch.int32, device=device) for _ in range(3))
     expert, start, rows = (torch.empty(num_blocks, dtype=torch.int32, device=device) for _ in range(3))
+    # every op works on [chunk, experts] tiles: a batch-1 step (6 assignments, 7 blocks) needs 16 rows, not 64, and
+    # one program's time is its ops' length, so it gets every warp an SM can give it
+    chunk = min(MAX_CHUNK, max(16, triton.next_power_of_2(max(assignments, num_blocks))))
     _blocks_kernel[(1,)](topk_ids.contiguous(), assignments, experts, num_blocks, order, token_of, sorted_rows, expert,
                          start, rows, TOP_K=topk_ids.shape[1], BM=bm, E_PAD=triton.next_power_of_2(experts),
-                         CHUNK=CHUNK)
+                         CHUNK=chunk, num_warps=16)
     return order, token_of, sorted_rows, (expert, start, rows)
 
 

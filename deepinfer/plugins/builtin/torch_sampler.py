@@ -30,7 +30,7 @@ class TorchSampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.any_logprobs else None
         if any(batch.blocked_token_ids) or batch.any_penalties:  # edited in place: the caller's tensor is left alone
             logits = logits.clone()
             _block_tokens(logits, batch.blocked_token_ids)
@@ -45,7 +45,7 @@ class TorchSampler:
         top_ids, top_values = _top_logprobs(raw_logprobs, batch.num_logprobs)
         return SamplerOutput(
             token_ids=token_ids,
-            logprobs=raw_logprobs.gather(1, token_ids[:, None]).squeeze(1),
+            logprobs=None if raw_logprobs is None else raw_logprobs.gather(1, token_ids[:, None]).squeeze(1),
             top_logprob_ids=top_ids,
             top_logprobs=top_values,
         )
