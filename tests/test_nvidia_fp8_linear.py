@@ -75,6 +75,23 @@ def test_fp8_linear_matches_the_reference(tokens, out, cols, block, dtype):
     assert torch.all((ours.float() - reference).abs() <= tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_calls_round_activations_in_the_gemm_bit_for_bit(dtype, monkeypatch):
+    """A split call rounds its activations inside the GEMM: the same result, bit for bit, as rounding them first
+    (``act_quant``'s launch) and the same GEMM."""
+    from deepinfer_nvidia import fp8_linear
+
+    g = torch.Generator().manual_seed(7)
+    tokens, out, cols, block = (3, 1536, 5120, 32) if CUDA else (2, 64, 512, 32)
+    weight, scale = quantize_fp8(torch.randn(out, cols, generator=g) * cols**-0.5, block, block)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = _inputs(tokens, cols, seed=3, dtype=dtype)
+    assert split_count(tokens, out, cols // block, _programs_wanted(DEVICE)) > 1
+    fused = TritonLinear().linear(x, weight, scale, block)
+    monkeypatch.setattr(fp8_linear, "ROUND_IN_SPLIT_GEMM", False)
+    assert torch.equal(fused, TritonLinear().linear(x, weight, scale, block))
+
+
 def test_decode_sized_calls_split_k_and_others_do_not():
     programs = _programs_wanted(DEVICE)
     assert split_count(2, 64, 16, programs) == 4 and split_count(1, 40, 13, programs) == 3  # 5 + 5 + 3 blocks

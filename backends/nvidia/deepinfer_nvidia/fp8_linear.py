@@ -46,6 +46,21 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _segment_scale(amax):
+    """The power-of-two scale of a 1 x BK segment with largest magnitude ``amax``."""
+    return _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+
+
+@triton.jit
+def _e4m3_values(x, scale, NATIVE_FP8: tl.constexpr):
+    """``x / scale`` as e4m3 values (still fp32; exact once converted)."""
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    if not NATIVE_FP8:
+        q = _round_to_e4m3(q)
+    return q
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_blocks, BLOCK: tl.constexpr,
                       NATIVE_FP8: tl.constexpr):
     row = tl.program_id(0)
@@ -53,11 +68,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_blocks, BL
     offs = block * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4) * (1.0 / 448.0))
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    if not NATIVE_FP8:
-        q = _round_to_e4m3(q)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    scale = _segment_scale(tl.max(tl.abs(x), axis=0))
+    tl.store(q_ptr + row * stride_q + offs, _e4m3_values(x, scale, NATIVE_FP8).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * num_blocks + block, scale)
 
 
@@ -77,9 +89,11 @@ def _prune(configs, named_args, **kwargs):
 def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, stride_q, stride_w, stride_sw,
                      stride_y, stride_split, NUM_BLOCKS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                      W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr):
+                     BN: tl.constexpr, QUANTIZE: tl.constexpr = False):
     """One [BM, BN] tile of ``y``; split over K (program axis 2), each split's fp32 partial sum goes to its own
-    slab of ``y`` (``stride_split`` apart) for ``_sum_splits_kernel``."""
+    slab of ``y`` (``stride_split`` apart) for ``_sum_splits_kernel``. With QUANTIZE, ``q_ptr`` holds the
+    unrounded activations and each program rounds its tiles itself, as ``act_quant`` would (bit for bit): one launch
+    fewer per call, worth it while the activations are a few rows."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     first = tl.program_id(2) * BLOCKS_PER_SPLIT
@@ -92,15 +106,19 @@ def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, str
         block = first + step
         k = block * BK + offs_k
         k_ok = k < K
+        scale_block = tl.minimum(block, NUM_BLOCKS - 1)  # surplus steps: a real scale times their zero products
         a = tl.load(q_ptr + offs_m[:, None] * stride_q + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANTIZE:
+            sx = _segment_scale(tl.max(tl.abs(a.to(tl.float32)), axis=1))
+            a = _e4m3_values(a.to(tl.float32), sx[:, None], NATIVE_FP8).to(tl.float8e4nv)
+        else:
+            sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + scale_block, mask=m_ok, other=0.0)
         b = tl.load(w_ptr + offs_n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if NATIVE_FP8:
             part = tl.dot(a, tl.trans(b))
         else:  # the interpreter (and pre-Hopper GPUs) multiply the same values in fp32
             part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
-        in_k = block < NUM_BLOCKS
-        sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + block, mask=m_ok & in_k, other=0.0)
-        sw = tl.load(sw_ptr + (offs_n // W_ROW_TILE) * stride_sw + block, mask=n_ok & in_k, other=0.0)
+        sw = tl.load(sw_ptr + (offs_n // W_ROW_TILE) * stride_sw + scale_block, mask=n_ok, other=0.0)
         acc += part * sx[:, None] * sw[None, :]
     tl.store(y_ptr + tl.program_id(2) * stride_split + offs_m[:, None] * stride_y + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -144,12 +162,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
     if column_tile != activation_block:
         raise ValueError(f"weight tiles of {column_tile} columns do not match the activation block {activation_block}")
     flat = x.reshape(-1, k).contiguous()
-    q, sx = act_quant(flat, activation_block)
     y = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)
-    m, num_blocks = flat.shape[0], sx.shape[1]
+    m, num_blocks = flat.shape[0], triton.cdiv(k, activation_block)
     if not m:
         return y.view(*x.shape[:-1], n)
     splits = 1 if pinned else split_count(m, n, num_blocks, _programs_wanted(x.device))
+    fused = splits > 1 and ROUND_IN_SPLIT_GEMM  # split calls (a few rows) round their activations in the GEMM
+    q, sx = (flat, flat) if fused else act_quant(flat, activation_block)
     # the interpreter cannot time configurations: it runs the smallest tile
     if splits > 1 or _INTERPRETED:
         kernel, tiles = _fp8_gemm_kernel, SPLIT_TILES if not _INTERPRETED else {"BM": 16, "BN": 32}
@@ -164,7 +183,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
     kernel[grid](q, sx, weight, _fp32_scales(scale), out, m, n, k, min(triton.next_power_of_2(m), 128), q.stride(0),
                  weight.stride(0), scale.shape[1], n, m * n, NUM_BLOCKS=num_blocks, BLOCKS_PER_SPLIT=per_split,
                  W_ROW_TILE=infer_block(n, scale.shape[0]), BK=activation_block, NATIVE_FP8=_native_fp8(x.device),
-                 **tiles)
+                 QUANTIZE=fused, **tiles)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, m * n, SPLITS=splits, BLOCK=1024)
     return y.view(*x.shape[:-1], n)
@@ -174,6 +193,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
 # projection is 12 programs on a 132-SM GPU. Splitting K gives every SM work; the partial sums cost one more
 # launch and m x n x splits fp32 values, which only pays while m is small.
 SPLIT_MAX_ROWS = 64
+ROUND_IN_SPLIT_GEMM = True  # False: act_quant's launch first, as for larger calls (the tests compare the two)
 SPLIT_TILES = {"BM": 16, "BN": 128, "num_warps": 4, "num_stages": 6}
 MIN_BLOCKS_PER_SPLIT = 4
 
