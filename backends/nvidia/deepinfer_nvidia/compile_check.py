@@ -24,8 +24,8 @@ EXPERT_POINTERS = {"a_rows_ptr": "*i32", "out_ptr": "*fp32", "out_rows_ptr": "*i
 CASES = {
     "fp8 gemm": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                                                 "sw_ptr": "*fp32", "y_ptr": "*bf16"},
-                 {"NUM_BLOCKS": 32, "BLOCKS_PER_SPLIT": 32, "W_ROW_TILE": 128, "BK": 128, "NATIVE_FP8": True, "BM": 16, "BN": 64,
-                  "QUANTIZE": False}),
+                 {"NUM_BLOCKS": 32, "BLOCKS_PER_SPLIT": 32, "W_ROW_TILE": 128, "BK": 128, "NATIVE_FP8": True, "BM": 16,
+                  "BN": 64, "QUANTIZE": False}),
     "fp8 gemm, split K": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*bf16", "sx_ptr": "*bf16", "w_ptr": "*fp8e4nv",
                                                         "sw_ptr": "*fp32", "y_ptr": "*fp32"},
                           {"NUM_BLOCKS": 160, "BLOCKS_PER_SPLIT": 12, "W_ROW_TILE": 32, "BK": 32, "NATIVE_FP8": True,

@@ -65,6 +65,12 @@ def _e2m1_scaled(nibble_bits, SIGN_SHIFT: tl.constexpr, MAGNITUDE_SHIFT: tl.cons
 
 
 @triton.jit
+def _e8m0(ptrs, ok):
+    """fp32 powers of two from e8m0 exponent bytes."""
+    return tl.exp2((tl.load(ptrs, mask=ok, other=127).to(tl.int32) - 127).to(tl.float32))
+
+
+@triton.jit
 def _fp4_block(acc, a, sa, w_ptrs, sw, n_ok, NATIVE: tl.constexpr):
     """``acc`` plus one 32-column block: ``a`` [BM, 32] (e4m3 values) times 32 packed columns of BN weight rows,
     scaled by the activation's ``sa`` [BM] and the weights' ``sw`` [BN] powers of two (with the 2^14 the decode
@@ -142,12 +148,11 @@ def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr,
             a = tl.load(a_ptr + rows[:, None] * stride_a + k0 + tl.arange(0, 32)[None, :], mask=m_ok[:, None],
                         other=0.0)
             sa = tl.load(sa_ptr + rows * stride_sa + k0 // ACT_BLOCK, mask=m_ok, other=0.0)
-            sw = tl.exp2((tl.load(sw_ptr + s_tile + k0 // 32, mask=n_ok, other=127).to(tl.int32) - 127).to(tl.float32))
-            acc = _fp4_block(acc, a, sa, w_ptr + w_tile + k0 // 2, sw, n_ok, NATIVE)
+            acc = _fp4_block(acc, a, sa, w_ptr + w_tile + k0 // 2, _e8m0(sw_ptr + s_tile + k0 // 32, n_ok), n_ok,
+                             NATIVE)
             if SWIGLU:
-                sv = tl.exp2((tl.load(sv_ptr + s_tile + k0 // 32, mask=n_ok, other=127).to(tl.int32) - 127)
-                             .to(tl.float32))
-                up = _fp4_block(up, a, sa, v_ptr + w_tile + k0 // 2, sv, n_ok, NATIVE)
+                up = _fp4_block(up, a, sa, v_ptr + w_tile + k0 // 2, _e8m0(sv_ptr + s_tile + k0 // 32, n_ok), n_ok,
+                                NATIVE)
     _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
 
 
@@ -219,7 +224,8 @@ def _tuned_fp4_experts():
                            prune_configs_by={"early_config_prune": fitting})(_fp4_experts_kernel)
 
 
-# Batch-invariant mode's MXFP4 configuration: the K tile sets a row's summation order, so the autotuner's choice
+# Batch-invariant mode's MXFP4 configuration: a row's 32-column blocks are summed in order whatever the tiles, but
+# the tile shape picks the MMA instructions, whose own summation order is unspecified, so the autotuner's choice
 # (per rows per block) must not apply.
 PINNED_FP4_TILES = {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
 
