@@ -68,6 +68,7 @@ def main() -> None:
         wall = time.perf_counter() - start
     if args.graphs:
         busy, span = busy_and_span_us(prof)
+        kernels = prof.key_averages()
         measured = {
             "model": args.model, "batch": args.batch_size, "steps": args.steps,
             "async_scheduling": engine.async_scheduling,
@@ -78,10 +79,10 @@ def main() -> None:
             # either makes some measured steps eager (recomputed prefills, a capture's warm-up run)
             "preemptions_while_measured": engine.scheduler.num_preemptions - preempted,
             "graphs_captured_while_measured": (len(engine.graphs.graphs) if engine.graphs else 0) - graphs,
-            "kernels_per_step": round(sum(e.count for e in prof.key_averages()) / args.steps, 1),
+            "kernels_per_step": round(sum(e.count for e in kernels) / args.steps, 1),
             # where the replayed step's device time goes: [name, µs per step, launches per step], largest first
             "top_kernels": [[e.key[:70], round(e.self_device_time_total / args.steps, 1), e.count / args.steps]
-                            for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.top]],
+                            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]],
         }
         if args.host_profile:
             import cProfile

@@ -39,7 +39,7 @@ class OutputProcessor:
             if request.finished:  # found finished one step earlier, while this step was already running
                 continue
             request.token_ids[position] = token_ids[row]
-            if self._record(request, position, logprobs and logprobs[row], top_ids, top_values, row, now):
+            if self._record(request, position, logprobs, top_ids, top_values, row, now):
                 finished.append(request)
         return finished
 
@@ -48,15 +48,14 @@ class OutputProcessor:
         does; ``sampled`` holds the sampler's outputs as host lists. Returns whether the request finished."""
         for row in rows:
             request.token_ids.append(sampled["token_ids"][row])
-            logprobs = sampled["logprobs"]
-            if self._record(request, len(request.token_ids) - 1, logprobs and logprobs[row], sampled["top_logprob_ids"],
+            if self._record(request, len(request.token_ids) - 1, sampled["logprobs"], sampled["top_logprob_ids"],
                             sampled["top_logprobs"], row, now):
                 return True
         return False
 
-    def _record(self, request: Request, position: int, logprob: float, top_ids, top_values, row: int,
-                now: float) -> bool:
-        """Books the token at ``position`` (logprobs, text, stops); on a stop drops what follows it."""
+    def _record(self, request: Request, position: int, logprobs, top_ids, top_values, row: int, now: float) -> bool:
+        """Books the token at ``position`` (logprobs, text, stops); on a stop drops what follows it. ``logprobs``,
+        ``top_ids``, ``top_values``: the sampler's per-row host lists (None where no row asked for them)."""
         token = request.token_ids[position]
         if request.grammar is not None and not request.grammar.accept(token):
             raise RuntimeError(f"request {request.request_id}: sampled token {token}, which its grammar forbids "
@@ -64,8 +63,8 @@ class OutputProcessor:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         if request.logprobs is not None:
-            request.cumulative_logprob += logprob
-            request.logprobs.append(self._logprobs(request, token, logprob, top_ids, top_values, row))
+            request.cumulative_logprob += logprobs[row]
+            request.logprobs.append(self._logprobs(request, token, logprobs[row], top_ids, top_values, row))
         if not self._check_stop(request, token, position + 1):
             return False
         del request.token_ids[position + 1 :]
