@@ -271,6 +271,24 @@ def test_compress_pool_matches_the_reference(ratio, overlap):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, width, ratio", [(1, 256, 4), (9, 1536, 128), (0, 64, 4)])
+def test_compressor_rows_match_the_reference(tokens, width, ratio, dtype):
+    """Rows written at their slots (the others untouched), widened to fp32, the position bias in the score half."""
+    g = torch.Generator().manual_seed(tokens + width)
+    state = torch.randn(40, 2 * width, generator=g).to(DEVICE)
+    kv, score = (torch.randn(tokens, width, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    bias = torch.randn(ratio, width, generator=g).to(DEVICE)
+    positions = torch.randint(0, 4 * ratio, (tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(40, generator=g)[:tokens].to(DEVICE)
+    ours, reference = state.clone(), state.clone()
+    TritonAttention().store_compressor_rows(ours, slots, kv, score, bias, positions)
+    REFERENCE.store_compressor_rows(reference, slots, kv, score, bias, positions)
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        TritonAttention().store_compressor_rows(ours, slots, kv, score, bias[:, :-1], positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape, rope_dim", [((5, 64), 16), ((3, 4, 512), 64), ((1, 2, 32), 32), ((0, 3, 64), 16)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rotate_matches_the_reference(shape, rope_dim, inverse, dtype):

@@ -1,4 +1,4 @@
-"""The NVIDIA backend's fused mHC coefficients against the torch reference (natively on a GPU, else the interpreter)."""
+"""The NVIDIA backend's fused mHC weights against the torch reference (natively on a GPU, else the interpreter)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
 from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand  # noqa: E402
+from deepinfer.plugins.builtin.torch_mhc import TorchMHC  # noqa: E402
 from deepinfer_nvidia.mhc import TritonMHC  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,6 +37,65 @@ def test_strided_or_half_logits_are_refused():
         TritonMHC().coefficients(logits, 4, 20, 1e-6)
     with pytest.raises(ValueError, match="power-of-two"):
         TritonMHC().coefficients(torch.randn(3, 15, device=DEVICE), 3, 20, 1e-6)
+
+
+def _mix_inputs(tokens: int, n: int, width: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Streams [T, n, D] and a sublayer's fn, base and scale at a trained model's magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (2 + n) * n
+    streams = (torch.randn(tokens, n, width, generator=g) * 2).to(dtype)
+    fn = torch.randn(logits, n * width, generator=g) * 0.01
+    base, scale = torch.randn(logits, generator=g) * 0.5, torch.rand(3, generator=g) + 0.5
+    return [t.to(DEVICE) for t in (streams, fn, base, scale)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n, width", [(1, 4, 100), (37, 4, 100), (5, 2, 300), (17, 2, 64), (0, 4, 64),
+                                              (2, 4, 2100)])
+def test_weights_match_the_reference(tokens, n, width, dtype):
+    """The projection split over K (n * width: no multiple of the split, or two column blocks a split at 2100),
+    summed with the Sinkhorn in a second launch, against ``core.ops.mhc_logits`` and the reference coefficients."""
+    streams, fn, base, scale = _mix_inputs(tokens, n, width, dtype, seed=tokens * 11 + width)
+    if DEVICE.type == "cuda":
+        torch.full((1 << 24,), float("nan"), device=DEVICE)  # freed at once: the outputs below reuse poisoned memory
+    ours = TritonMHC().weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6)
+    reference = TorchMHC().weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6)
+    for a, b in zip(ours, reference):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_weights_do_not_depend_on_its_batch(dtype):
+    """Bitwise, alone or among 37 tokens (three token blocks), first in its block or not: the K-splits follow the
+    width, not the token count."""
+    streams, fn, base, scale = _mix_inputs(37, 4, 100, dtype, seed=3)
+    batched = TritonMHC().weights(streams, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    for token in (0, 20):
+        alone = TritonMHC().weights(streams[token:token + 1], fn, base, scale, 4, 20, 1e-6, 1e-6)
+        assert all(torch.equal(a[0], b[token]) for a, b in zip(alone, batched)), token
+
+
+def test_weights_refuse_what_the_kernels_cannot_read():
+    streams, fn, base, scale = _mix_inputs(3, 4, 64, torch.bfloat16, seed=4)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        TritonMHC().weights(streams, fn.half(), base, scale, 4, 20, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="strided"):
+        TritonMHC().weights(streams, fn.T.contiguous().T, base, scale, 4, 20, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match=r"\[24, 256\]"):
+        TritonMHC().weights(streams, fn[:, :128], base, scale, 4, 20, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="hc_mult = 2"):
+        TritonMHC().weights(streams, fn, base, scale, 2, 20, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="base and scale"):
+        TritonMHC().weights(streams, fn, base[:8], scale, 4, 20, 1e-6, 1e-6)
+
+
+def test_weights_read_strided_streams():
+    streams, fn, base, scale = _mix_inputs(3, 4, 128, torch.float32, seed=5)
+    strided, fn = streams[:, :, ::2], fn[:, :256].contiguous()  # the channels no longer unit-stride: copied once
+    ours = TritonMHC().weights(strided, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    for a, b in zip(ours, TorchMHC().weights(strided, fn, base, scale, 4, 20, 1e-6, 1e-6)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -201,3 +201,15 @@ def test_autotuned_mxfp4_configs_tile_k(k):
     tuner.nargs = {}
     kept = tuner.prune_configs({"K": k, "N": 256, "BLOCK_M": BM, "SWIGLU": True})
     assert kept and all(k % c.kwargs["BK"] == 0 for c in kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2048), (7, 300), (0, 64)])
+def test_shared_expert_swiglu_matches_the_reference(shape, dtype):
+    """One launch: both inputs clamped (gate above, up both ways: the inputs reach past the limit) in fp32."""
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    gate, up = ((torch.randn(shape, generator=g) * 8).to(dtype).to(DEVICE) for _ in range(2))
+    ours = moe_module.TritonMoE(reference=TorchMoE()).swiglu(gate, up, 7.0)
+    assert ours.dtype == dtype and ours.shape == gate.shape
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
+    torch.testing.assert_close(ours, TorchMoE().swiglu(gate, up, 7.0), **tolerance)

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.core.ops import mhc_logits
+from deepinfer.models.deepseek_v4.layers import unweighted_rms_norm
 from deepinfer.testing.probes import prefill_logits
 
 STEPS = 64
@@ -111,3 +113,17 @@ def test_prefix_cache_hit_gives_same_tokens(checkpoint, prompts, hf_greedy):
     outputs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy[:2]
     assert outputs[0].metrics.num_cached_tokens >= 256
+
+
+def test_mhc_logits_project_before_normalising_within_fp32():
+    """V4 (and HF) normalise the flat streams and then project; ``core.ops.mhc_logits`` projects and then scales by
+    the RMS, as V4.1's released kernel does: the same logits, up to fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    n, width = 4, 256
+    streams = (torch.randn(7, n, width, generator=g) * 3).bfloat16()
+    fn = torch.randn((2 + n) * n, n * width, generator=g) * 0.01
+    base, scale = torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
+    mix = unweighted_rms_norm(streams.flatten(1).float(), 1e-6) @ fn.T
+    scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
+    torch.testing.assert_close(mhc_logits(streams, fn, base, scale, 1e-6), torch.addcmul(base, mix, scales),
+                               rtol=1e-5, atol=1e-6)

@@ -1,11 +1,14 @@
 """Kernel launches in one padded decode step (what a CUDA graph holds), counted on a CPU: no GPU needed.
 
-    TRITON_INTERPRET=1 PYTHONPATH=.:backends/nvidia python tools/count_launches.py [DTYPE, default bfloat16]
+    TRITON_INTERPRET=1 PYTHONPATH=.:backends/nvidia python tools/count_launches.py [DTYPE, default bfloat16] [--ops]
+        [--model=DIR]
 
 Builds a tiny V4 with flash4L's layer pattern (sliding, sliding, CSA, HCA; three hash-routed), serves attention, MoE
 and mHC with the NVIDIA plugin's Triton kernels (run by Triton's interpreter) and counts, per decode step, the
 Triton launches and the outermost torch ops by module (each such op is at least one kernel on a GPU; views and
 allocations are left out). Graph launch time on the host and the device's gaps between kernels both grow with it.
+``--ops`` lists the torch ops by name; ``--model=DIR`` counts another checkpoint's step instead (e.g.
+``tests/fixtures/v41_tiny``, V4.1 with FP8 and MXFP4 weights, whose projections the plugin's Triton GEMM serves).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from deepinfer.plugins import hookimpl
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.manager import registered
 from deepinfer.testing.tiny_v4 import build_tiny_v4
+from deepinfer_nvidia.fp8_linear import TritonLinear
 from deepinfer_nvidia.mhc import TritonMHC
 from deepinfer_nvidia.moe import TritonMoE
 from deepinfer_nvidia.sparse_attention import TritonAttention
@@ -41,6 +45,7 @@ def _triton_on_cpu() -> types.ModuleType:
     plugin.deepinfer_attention_backend = hookimpl(tryfirst=True)(lambda config, device: TritonAttention())
     plugin.deepinfer_moe_backend = hookimpl(tryfirst=True)(lambda config, device: TritonMoE(reference=TorchMoE()))
     plugin.deepinfer_mhc_backend = hookimpl(tryfirst=True)(lambda config, device: TritonMHC())
+    plugin.deepinfer_linear_backend = hookimpl(tryfirst=True)(lambda config, device: TritonLinear())
     return plugin
 
 
@@ -66,14 +71,17 @@ def main() -> None:
             return interpret(self, *args, **kwargs)
 
     interpreter.GridExecutor.__call__ = launch
-    checkpoint = build_tiny_v4(Path(tempfile.mkdtemp()) / "flash4L_pattern", num_hash_layers=3, head_dim=64,
-                               qk_rope_head_dim=16, layer_types=["sliding_attention", "sliding_attention",
-                                                                 "compressed_sparse_attention",
-                                                                 "heavily_compressed_attention"],
-                               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+    model = next((a.removeprefix("--model=") for a in sys.argv[1:] if a.startswith("--model=")), None)
+    checkpoint = model or build_tiny_v4(Path(tempfile.mkdtemp()) / "flash4L_pattern", num_hash_layers=3, head_dim=64,
+                                        qk_rope_head_dim=16, layer_types=["sliding_attention", "sliding_attention",
+                                                                          "compressed_sparse_attention",
+                                                                          "heavily_compressed_attention"],
+                                        compress_rates={"compressed_sparse_attention": 4,
+                                                        "heavily_compressed_attention": 128})
     prompt = [list(range(3, 200))]
     with registered(_triton_on_cpu(), "triton_on_cpu"):
-        llm = LLM(str(checkpoint), dtype=sys.argv[1] if len(sys.argv) > 1 else "bfloat16", device="cpu")
+        dtype = next((a for a in sys.argv[1:] if not a.startswith("--")), "bfloat16")
+        llm = LLM(str(checkpoint), dtype=dtype, device="cpu")
         engine = llm.engine  # decode steps padded as for a CUDA graph, run eagerly
         engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
                                      capture=False)
@@ -90,7 +98,7 @@ def main() -> None:
         for module in llm.engine.model.modules():
             module.register_forward_pre_hook(enter)
             module.register_forward_hook(leave)
-        graphs, ops = llm.engine.graphs, collections.Counter()
+        graphs, ops, named = llm.engine.graphs, collections.Counter(), collections.Counter()
         forward = graphs._forward
 
         def counted(inputs):
@@ -104,6 +112,7 @@ def main() -> None:
                     outermost, module = _outermost(event)
                     if outermost:
                         ops[module] += 1
+                        named[(module, name)] += 1
             return out
 
         graphs._forward = counted
@@ -111,6 +120,9 @@ def main() -> None:
     print(f"one padded decode step: {sum(launches.values())} Triton launches, {sum(ops.values())} torch ops")
     print("  Triton:", dict(launches.most_common()))
     print("  torch ops by module:", dict(ops.most_common()))
+    if "--ops" in sys.argv:
+        for (module, name), count in sorted(named.items()):
+            print(f"    {module:24s} {name:32s} {count}")
 
 
 if __name__ == "__main__":

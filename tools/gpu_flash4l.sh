@@ -6,7 +6,7 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu_kernels.py), profile (tools/profile_decode.py at batch 1 and 16), idle (device idle share
+# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
@@ -86,6 +86,7 @@ if has kernels; then
     stamp kernels
     timeout 200 python tools/gpu_kernels.py 2>&1 | tee "$out/kernels.json" | tail -40
     timeout 100 python tools/gpu_kernels.py --triton-fp8 2>&1 | tee "$out/kernels_triton_fp8.json" | tail -12
+    timeout 150 python tools/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
 fi
 
 python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L >/dev/null

@@ -82,6 +82,7 @@ class LLMEngine:
             logger.info("CPU: flushing denormal floats to zero")
 
         attention, _ = select_backend("deepinfer_attention_backend", config=config, device=self.device)
+        self.attention = attention  # it also derives padded steps' cache slots
         moe, _ = select_backend("deepinfer_moe_backend", config=config, device=self.device)
         linear, _ = select_backend("deepinfer_linear_backend", config=config, device=self.device)
         mhc, _ = select_backend("deepinfer_mhc_backend", config=config, device=self.device)
@@ -217,7 +218,7 @@ class LLMEngine:
         self.scheduler = Scheduler(limits, self.blocks)
         rows = {k.name: self.cache.rows_per_block(k.name) for k in kinds}
         self.batch_builder = ForwardBatchBuilder(mc.window, overlaps, block_size, rows, self.device,
-                                                 self.model.token_history, self.model.host_inputs)
+                                                 self.model.token_history, self.model.host_inputs, self.attention)
         logger.info("cache: %d tokens of full-context state, block size %d, %.1f MiB", tokens, block_size, self.cache.nbytes() / 2**20)
         self.graphs = None
         if self.device.type == "cuda" and not c.enforce_eager and self.graph_blockers:

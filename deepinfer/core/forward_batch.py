@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from deepinfer.core.slots import SlotLayout, padded_slots, slot_of, window_positions
 from deepinfer.core.transfer import to_device
 
 
@@ -210,7 +211,7 @@ class ForwardBatchBuilder:
     those into slot tensors (``derive``) wherever they are."""
 
     def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device,
-                 token_history: int = 0, host_inputs=None):
+                 token_history: int = 0, host_inputs=None, slot_backend=None):
         self.window = window
         # compression ratio -> how many windows pool each compressor-state row (2 for V4's CSA, 1 for HCA and
         # V4.1's ratio 2, 0 where no compressor state is kept)
@@ -220,6 +221,9 @@ class ForwardBatchBuilder:
         self.block_size = block_size
         self.rows_per_block = rows_per_block
         self.device = device
+        self.layout = SlotLayout(window, block_size, rows_per_block, ratios)
+        # an ``AttentionBackend``: it derives padded steps' slots (``padded_slots``); None: the torch reference
+        self.slot_backend = slot_backend
 
     def build(self, scheduled: list[tuple[object, int, int]]) -> ForwardBatch:
         inputs = self.inputs(scheduled)
@@ -322,14 +326,15 @@ class ForwardBatchBuilder:
 
     # -- wherever the inputs are (the device; inside a captured graph) --------------------------
     def derive(self, inputs: StepInputs) -> ForwardBatch:
+        if inputs.scratch_rows is not None:  # padded: what a CUDA graph replays
+            return self._padded(inputs)
         positions, owner = inputs.positions, inputs.owner
-        swa = inputs.tables["swa"]
-        window_pos = positions.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=positions.device)
-        window = self._slots(swa, "swa", owner.unsqueeze(1), window_pos)
+        window_pos = window_positions(self.layout, positions)
+        window = slot_of(self.layout, inputs.tables["swa"], "swa", owner.unsqueeze(1), window_pos)
         batch = ForwardBatch(
             token_ids=inputs.token_ids,
             positions=positions,
-            swa_slots=self._writes(inputs, "swa", window[:, -1]),  # a token's own row ends its window
+            swa_slots=window[:, -1],  # a token's own row ends its window
             window=window,
             logits_rows=inputs.logits_rows,
             extras=inputs.extras,
@@ -350,23 +355,22 @@ class ForwardBatchBuilder:
             ))
         return batch
 
-    def _slots(self, table: torch.Tensor, kind: str, owner: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Row slot of ``positions`` (any shape, paired with ``owner``); -1 for positions < 0 or without a block.
-        Each op here is a kernel of every decode step: the masks fold into one sign test of ``positions | block``."""
-        size, rows = self.block_size, self.rows_per_block[kind]
-        block = table[owner, (positions // size).clamp(0, table.shape[1] - 1)]
-        within = positions % size if rows == size else positions % size // (size // rows)
-        return torch.where((positions | block) >= 0, block * rows + within, -1)
-
-    @staticmethod
-    def _writes(inputs: StepInputs, kind: str, slots: torch.Tensor) -> torch.Tensor:
-        """Slots written to: in a padded batch, the ones without a row go to the pool's scratch row."""
-        return slots if inputs.scratch_rows is None else torch.where(slots < 0, inputs.scratch_rows[kind], slots)
+    def _padded(self, inputs: StepInputs) -> ForwardBatch:
+        derive = padded_slots if self.slot_backend is None else self.slot_backend.padded_slots
+        slots = derive(self.layout, inputs)
+        return ForwardBatch(
+            token_ids=inputs.token_ids,
+            positions=inputs.positions,
+            swa_slots=slots.swa_slots,
+            window=slots.window,
+            logits_rows=inputs.logits_rows,
+            compressed={ratio: CompressedMeta(ratio, overlap, *slots.compressed[ratio])
+                        for ratio, overlap in self.ratios.items()},
+            extras=inputs.extras,
+        )
 
     def _compressed(self, inputs: StepInputs, ratio: int, overlap: int) -> CompressedMeta:
-        """Unpadded, only the windows closing in this step are listed; padded, every token gets a close row (-1
-        slots where its window does not close), so shapes stay fixed, and each table's lookups for a token share
-        one ``_slots`` call (every op here is a kernel of the decode graph)."""
+        """The slots of an unpadded step's compressed entries: only the windows closing in this step are listed."""
         positions, owner = inputs.positions, inputs.owner
         device = positions.device
         comp_kind, state_kind = f"comp{ratio}", f"state{ratio}"
@@ -374,38 +378,22 @@ class ForwardBatchBuilder:
         visible = (positions + 1) // ratio
         entries = torch.arange(inputs.candidates[ratio], device=device)
         entry_pos = torch.where(entries < visible.unsqueeze(1), entries * ratio, -1)
-        closing = (positions + 1) % ratio == 0
-        close_tokens = inputs.close_tokens.get(ratio)
-        padded = close_tokens is None  # close rows for every token, in token order
-        window_ids, close_owner = torch.where(closing, visible - 1, -1), owner
-        if not padded:
-            window_ids, close_owner = window_ids[close_tokens], owner[close_tokens]
+        close_tokens = inputs.close_tokens[ratio]
+        window_ids, close_owner = visible[close_tokens] - 1, owner[close_tokens]
         row_pos = (window_ids - overlap + 1).unsqueeze(1) * ratio + torch.arange(overlap * ratio, device=device)
         row_pos = torch.where(window_ids.unsqueeze(1) >= 0, row_pos, -1)
         if overlap:
             state = inputs.tables[state_kind]
-            if padded:
-                rows = self._slots(state, state_kind, owner.unsqueeze(1), torch.cat((row_pos, positions[:, None]), 1))
-                close_rows, own_rows = rows[:, :-1], rows[:, -1]
-            else:
-                close_rows = self._slots(state, state_kind, close_owner.unsqueeze(1), row_pos)
-                own_rows = self._slots(state, state_kind, owner, positions)
-            state_slots = self._writes(inputs, state_kind, own_rows)
+            close_rows = slot_of(self.layout, state, state_kind, close_owner.unsqueeze(1), row_pos)
+            state_slots = slot_of(self.layout, state, state_kind, owner, positions)
         else:
             state_slots, close_rows = torch.empty(0, dtype=torch.int64, device=device), row_pos[:, :0]
-        if padded:
-            new_entry = window_ids.unsqueeze(1) * ratio
-            comp_slots = self._slots(comp, comp_kind, owner.unsqueeze(1), torch.cat((entry_pos, new_entry), 1))
-            candidates, close_slots = comp_slots[:, :-1], comp_slots[:, -1]
-        else:
-            candidates = self._slots(comp, comp_kind, owner.unsqueeze(1), entry_pos)
-            close_slots = self._slots(comp, comp_kind, close_owner, window_ids * ratio)
         return CompressedMeta(
             ratio=ratio,
             overlap=overlap,
             state_slots=state_slots,
-            candidates=candidates,
+            candidates=slot_of(self.layout, comp, comp_kind, owner.unsqueeze(1), entry_pos),
             close_rows=close_rows,
-            close_slots=self._writes(inputs, comp_kind, close_slots),
-            close_positions=window_ids.clamp(min=0) * ratio,
+            close_slots=slot_of(self.layout, comp, comp_kind, close_owner, window_ids * ratio),
+            close_positions=window_ids * ratio,
         )

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.core.quantization import blockwise_linear
+from deepinfer.plugins.interfaces import RouterWeights
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, activation_block: int) -> torch.Tensor:
@@ -18,6 +19,30 @@ def project(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, a
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU in fp32: ``silu(min(gate, L)) * clamp(up, -L, L)``."""
     return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(min=-limit, max=limit)
+
+
+SCORE_FUNCTIONS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
+
+def route_tokens(x: torch.Tensor, token_ids: torch.Tensor, router: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MoEBackend.route`` in torch (every backend's reference): each token's expert ids and weights."""
+    if router.scoring_func not in SCORE_FUNCTIONS:
+        raise ValueError(f"unknown router scoring_func {router.scoring_func!r}; expected {list(SCORE_FUNCTIONS)}")
+    scores = SCORE_FUNCTIONS[router.scoring_func](x.float() @ router.weight.float().T)
+    if router.tid2eid is not None:
+        ids = router.tid2eid[token_ids].long()
+    else:
+        # sorted: the slots' order sets the order their outputs are summed in, and an unsorted top-k's order is
+        # whatever its algorithm, chosen by the tensor's size, leaves
+        ids = torch.topk(scores + router.bias, router.top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(1, ids)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * router.route_scale
 
 
 def select_topk(scores: torch.Tensor, candidates: torch.Tensor, topk: int) -> torch.Tensor:
@@ -44,6 +69,17 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb
+
+
+def mhc_logits(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               norm_eps: float) -> torch.Tensor:
+    """One sublayer's hyper-connection logits [T, (2 + n) n] fp32 from its streams [T, n, D] (see
+    ``MHCBackend.weights``): projected first, then scaled by the RMS, as the released kernel does."""
+    n = streams.shape[1]
+    flat = streams.flatten(1).float()
+    mixes = F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
+    return torch.addcmul(base, mixes, scales)
 
 
 def mhc_coefficients(logits: torch.Tensor, hc_mult: int, sinkhorn_iters: int, eps: float):
@@ -107,3 +143,15 @@ def rotate_pairs(x: torch.Tensor, phases: torch.Tensor, rope_dim: int, inverse: 
         sin = -sin
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2).to(x.dtype)
     return torch.cat((x[..., :-rope_dim], rotated), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMS-normalised ``x`` over its last dim in fp32, times ``weight`` (fp32) when given, in ``x``'s dtype (one
+    fused kernel on CUDA plus the two casts)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def compressor_rows(kv: torch.Tensor, score: torch.Tensor, position_bias: torch.Tensor, positions: torch.Tensor
+                    ) -> torch.Tensor:
+    """V4 compressor-state rows ``[kv | score + position_bias[position % R]]`` in fp32 (R = position_bias rows)."""
+    return torch.cat([kv.float(), score.float() + position_bias[positions % position_bias.shape[0]]], dim=-1)

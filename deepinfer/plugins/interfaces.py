@@ -52,15 +52,32 @@ class AttentionBackend(Protocol):
         ``deepinfer.core.ops.compress_pool`` is the reference.
         """
 
+    def store_compressor_rows(self, state: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+                              position_bias: torch.Tensor, positions: torch.Tensor) -> None:
+        """Writes V4's compressor-state rows at ``slots`` [T] of ``state`` (the layout ``compress_pool`` reads):
+        ``[kv | score + position_bias[position % R]]`` in fp32, from the projections ``kv`` and ``score`` [T, C]
+        (any float dtype), ``position_bias`` [R, C] fp32 and ``positions`` [T] (``deepinfer.core.ops.compressor_rows``
+        is the reference)."""
+
     def rotate(self, x: torch.Tensor, phases: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
         """RoPE: ``x`` [T, D] or [T, H, D] with its trailing ``rope_dim`` channels, read as interleaved pairs
         (x[2i], x[2i+1]), multiplied as complex numbers by ``phases`` [T, rope_dim/2] complex64 (their conjugates
         when ``inverse``), in fp32; the other channels unchanged; ``x``'s dtype (``deepinfer.core.ops.rotate_pairs``
         is the reference)."""
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """The norms inside attention: ``x`` [..., D] RMS-normalized over its last dim in fp32, times ``weight`` [D]
+        (fp32) when given, in ``x``'s dtype (``deepinfer.core.ops.rms_norm`` is the reference)."""
+
     def store_rows(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes ``rows`` [n, D] at ``slots`` [n] (all valid) of a cache pool the attention reads: a row tensor
         (in its dtype) or ``FP8Rows`` (quantized; ``deepinfer.core.fp8_kv.store`` is the reference)."""
+
+    def padded_slots(self, layout, inputs):
+        """Every slot a padded decode step (what a CUDA graph replays) reads or writes: ``layout`` a
+        ``deepinfer.core.slots.SlotLayout``, ``inputs`` the step's ``StepInputs`` (``scratch_rows`` set). Returns a
+        ``deepinfer.core.slots.PaddedSlots``, equal to what ``deepinfer.core.slots.padded_slots`` (the reference)
+        computes."""
 
     def indexer_topk(
         self,
@@ -119,6 +136,15 @@ class MHCBackend(Protocol):
         column / row normalisations (the first column one included; ``deepinfer.core.ops.sinkhorn``), all fp32.
         """
 
+    def weights(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_mult: int,
+                sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A sublayer's hyper-connection weights from the streams [T, n, D] it receives: what ``coefficients``
+        returns (``hc_eps`` its eps) for the logits ``base + (flat @ fn.T) * rsqrt(mean(flat^2, -1) + norm_eps)
+        * scales`` [T, (2 + n) n], where ``flat`` is ``streams.flatten(1)`` in fp32 and ``scales`` repeats ``scale``
+        [3] over the n pre, n post and n*n comb logits. ``fn`` [(2 + n) n, n D] and ``base`` [(2 + n) n] are fp32
+        (``deepinfer.core.ops.mhc_logits``).
+        """
+
     def collapse(self, streams: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0) -> torch.Tensor:
         """A sublayer's input [T, D] from the streams [T, n, D]: ``sum_i pre[:, i] * streams[:, i]`` computed in
@@ -150,9 +176,37 @@ class ExpertWeights:
     activation_block: int = 0
 
 
+@dataclass(slots=True)
+class RouterWeights:
+    """One MoE layer's router. Scores are ``score(x W^T)`` per expert in fp32; a hash layer (``tid2eid`` given)
+    takes its token's table row, a score-routed one (``bias`` given) the ``top_k`` best ``score + bias``."""
+
+    weight: torch.Tensor  # [E, hidden] fp32
+    bias: torch.Tensor | None  # [E] fp32: score-routed layers
+    tid2eid: torch.Tensor | None  # [vocab, top_k] int: hash layers
+    top_k: int
+    scoring_func: str  # "sqrtsoftplus" (sqrt(softplus(l))), "softmax" (over the E experts) or "sigmoid"
+    norm_topk_prob: bool  # the chosen scores divided by their sum (+1e-20)
+    route_scale: float
+
+
 class MoEBackend(Protocol):
     name: str
     graph_safe: bool
+
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor, router: RouterWeights
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights: ``ids`` [T, top_k] int64 and ``weights`` [T, top_k] fp32.
+
+        ``x`` [T, hidden] (any float dtype, multiplied in fp32), ``token_ids`` [T] (read by hash layers). Score-routed
+        ids are sorted by descending biased score; a hash layer's ids are its ``tid2eid`` row in that row's order.
+        The weights are the unbiased scores of those ids, normalised if ``norm_topk_prob``, times ``route_scale``
+        (``deepinfer.core.ops.route_tokens`` is the reference).
+        """
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """The shared expert's activation: ``silu(min(gate, L)) * clamp(up, -L, L)`` in fp32, returned in ``gate``'s
+        dtype (``deepinfer.core.ops.swiglu`` is the reference, before the cast)."""
 
     def routed_experts(
         self,

@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from deepinfer.core.ops import route_tokens
 from deepinfer.logger import init_logger, log_once
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import ExpertWeights
@@ -60,6 +61,13 @@ class AscendMoE:
         self.ops = ops
         self.reference = TorchMoE()
         self._converted: dict[int, _Converted] = {}  # by w1's storage
+
+    def route(self, x, token_ids, router):
+        # torch on the NPU: npu_moe_gating_top_k has no sqrt-softplus scoring (V4 uses it; see the README)
+        return route_tokens(x, token_ids, router)
+
+    def swiglu(self, gate, up, limit):
+        return self.reference.swiglu(gate, up, limit)
 
     def routed_experts(self, x, topk_ids, topk_weights, weights):
         reason = _unsupported(weights)

@@ -6,8 +6,8 @@ expert parallelism's token exchange (``AscendExchange``: ``npu_moe_distribute_di
 Left to the reference, on purpose: linear layers (no documented torch_npu operator multiplies e4m3 weights with
 UE8M0 tile scales on the 950; ``npu_quant_matmul``'s docs cover int8/int4) and the sampler
 (``npu_top_k_top_p_sample`` draws from a torch generator, while the hook's seeded rows draw from (seed, position,
-token) alone, and the hook also applies penalties and returns logprobs). MoE gating is not a hook (the model
-routes), so ``npu_moe_gating_top_k`` has no place to plug in (see the README).
+token) alone, and the hook also applies penalties and returns logprobs). ``AscendMoE.route`` (MoE gating) runs the
+torch reference: ``npu_moe_gating_top_k`` has no sqrt-softplus scoring, V4's router (see the README).
 
 With ``DEEPINFER_BATCH_INVARIANT=1`` every hook declines: no operator here is established as batch-invariant.
 """

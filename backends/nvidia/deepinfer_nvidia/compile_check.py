@@ -12,7 +12,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks, rope
+from deepinfer_nvidia import (activation, compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks, norm, rope,
+                              routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -64,6 +65,27 @@ CASES = {
                       {"TOP_K": 6, "BM": 16, "E_PAD": 256, "CHUNK": 16}),
     "expert combine": (moe_blocks._combine_kernel, {"down_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": "*bf16"},
                        {"TOP_K": 6, "BLOCK_D": 1024}),
+    "compressor rows": (compress_pool._compressor_rows_kernel, {"kv_ptr": "*bf16", "score_ptr": "*bf16",
+                                                                "bias_ptr": "*fp32", "positions_ptr": "*i64",
+                                                                "slots_ptr": "*i64", "state_ptr": "*fp32"},
+                        {"BLOCK_C": 1024}),
+    "shared expert swiglu": (activation._swiglu_kernel, {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16"},
+                             {"BLOCK": 1024}),
+    "rms norm": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "weight_ptr": "*fp32", "out_ptr": "*bf16"},
+                 {"BLOCK_D": 1024, "WEIGHTED": True}),
+    "window slots": (slots._window_kernel, {"positions_ptr": "*i64", "owner_ptr": "*i64", "table_ptr": "*i64",
+                                            "window_ptr": "*i64", "written_ptr": "*i64"},
+                     {"BLOCK_SIZE": 128, "W_PAD": 128}),
+    "compressed slots": (slots._compressed_kernel, {**{f"{n}_ptr": "*i64" for n in (
+                             "positions", "owner", "comp", "state", "candidates", "close_rows", "state_slots",
+                             "close_slots", "close_positions")}},
+                         {"RATIO": 4, "OVERLAP": 2, "BLOCK_SIZE": 128, "BLOCK_C": 256, "STATE_PAD": 8}),
+    "router logits": (routing._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "logits_ptr": "*fp32"},
+                      {"H_PAD": 4096, "BLOCK_T": routing.BLOCK_T, "BLOCK_E": 2}),
+    "router select": (routing._select_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "token_ids_ptr": "*i64",
+                                               "tid2eid_ptr": "*i64", "ids_ptr": "*i64", "weights_ptr": "*fp32",
+                                               "route_scale": "fp32"},
+                      {"TOP_K": 6, "K_PAD": 8, "E_PAD": 256, "SCORE": 0, "HASH": False, "NORMALIZE": True}),
     "rope": (rope._rotate_kernel, {"x_ptr": "*bf16", "phases_ptr": "*fp32", "out_ptr": "*bf16"},
              {"INVERSE": False, "BLOCK_PAIRS": 256}),
     "compressor pool": (compress_pool._compress_pool_kernel, {"state_ptr": "*fp32", "rows_ptr": "*i64",
@@ -73,6 +95,13 @@ CASES = {
                                             "out_ptr": "*bf16"}, {"N": 4, "BLOCK_D": 1024, "NORM": True}),
     "mhc expand": (mhc._expand_kernel, {"streams_ptr": "*bf16", "output_ptr": "*bf16", "post_ptr": "*fp32",
                                         "comb_ptr": "*fp32", "out_ptr": "*bf16"}, {"N": 4, "BLOCK_D": 1024}),
+    "mhc mix partials": (mhc._mix_partials_kernel, {"streams_ptr": "*bf16", "fn_ptr": "*fp32", "dots_ptr": "*fp32",
+                                                    "squares_ptr": "*fp32"},
+                         {"M": 24, "M_PAD": 32, "BLOCK_T": 16, "BLOCK_K": 128, "BLOCKS_PER_SPLIT": 2}),
+    "mhc weights": (mhc._mhc_weights_kernel, {"dots_ptr": "*fp32", "squares_ptr": "*fp32", "base_ptr": "*fp32",
+                                              "scale_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32",
+                                              "comb_ptr": "*fp32", "norm_eps": "fp32"},
+                    {"N": 4, "ITERS": 20, "SPLITS_PAD": 64}),
     "mhc": (mhc._mhc_kernel, {"logits_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32"},
             {"N": 4, "ITERS": 20, "BLOCK_T": 16}),
 }

@@ -1,13 +1,16 @@
-"""V4's compressor pooling in one launch (``AttentionBackend.compress_pool``): one program per closing window
-gathers its state rows, takes the per-channel softmax over their scores with an online max, sums the weighted kv
-and RMS-normalizes the result. The torch reference (``deepinfer.core.ops.compress_pool``) spends about a dozen
-kernels per call, and a V4-Flash decode step makes 62 calls (every compressed layer, and the indexer's too)."""
+"""V4's compressor in two launches per call. Pooling (``AttentionBackend.compress_pool``): one program per closing
+window gathers its state rows, takes the per-channel softmax over their scores with an online max, sums the weighted
+kv and RMS-normalizes the result. The torch reference (``deepinfer.core.ops.compress_pool``) spends about a dozen
+kernels per call, and a V4-Flash decode step makes 62 calls (every compressed layer, and the indexer's too). The
+state rows (``store_compressor_rows``): widened, position-biased and written in one pass instead of seven kernels."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+ROWS_BLOCK = 1024
 
 
 @triton.jit
@@ -57,3 +60,35 @@ def compress_pool(state, rows, ratio, overlap, norm_weight, eps):
                                                 norm_weight.float().contiguous(), out, out.stride(0), eps,
                                                 RATIO=ratio, OVERLAP=overlap, D=dim)
     return out
+
+
+@triton.jit
+def _compressor_rows_kernel(kv_ptr, stride_kv, score_ptr, stride_score, bias_ptr, positions_ptr, slots_ptr,
+                            state_ptr, stride_state, C, R, BLOCK_C: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = offs < C
+    phase = tl.load(positions_ptr + token) % R
+    kv = tl.load(kv_ptr + token * stride_kv + offs, mask=ok, other=0.0).to(tl.float32)
+    score = tl.load(score_ptr + token * stride_score + offs, mask=ok, other=0.0).to(tl.float32)
+    score += tl.load(bias_ptr + phase * C + offs, mask=ok, other=0.0)
+    row = state_ptr + tl.load(slots_ptr + token) * stride_state
+    tl.store(row + offs, kv, mask=ok)
+    tl.store(row + C + offs, score, mask=ok)
+
+
+def store_compressor_rows(state, slots, kv, score, position_bias, positions):
+    """``AttentionBackend.store_compressor_rows``."""
+    tokens, width = kv.shape
+    if score.shape != kv.shape or position_bias.shape[1] != width or state.shape[1] != 2 * width:
+        raise ValueError(f"compressor rows: kv {list(kv.shape)}, score {list(score.shape)}, position bias "
+                         f"{list(position_bias.shape)} and state {list(state.shape)} do not fit together")
+    if state.dtype != torch.float32 or position_bias.dtype != torch.float32 or state.stride(1) != 1:
+        raise ValueError(f"compressor state and position bias must be fp32 (state with unit column stride), got "
+                         f"{state.dtype} and {position_bias.dtype}")
+    if tokens:
+        kv, score, bias = kv.contiguous(), score.contiguous(), position_bias.contiguous()
+        grid = (tokens, triton.cdiv(width, ROWS_BLOCK))
+        _compressor_rows_kernel[grid](kv, kv.stride(0), score, score.stride(0), bias, positions.contiguous(),
+                                      slots.contiguous(), state, state.stride(0), width, bias.shape[0],
+                                      BLOCK_C=ROWS_BLOCK)

@@ -1,9 +1,14 @@
-"""mHC in Triton: the coefficients in one launch (the sigmoids and the whole Sinkhorn loop of each token in
-registers), the streams' collapse and expansion in one launch each.
+"""mHC in Triton: a sublayer's weights from its streams in two launches (the logits' projection split over K, then
+the splits' sum, the sigmoids and the whole Sinkhorn loop of each token in registers), the streams' collapse and
+expansion in one launch each.
 
 The reference spends ~120 kernel launches per coefficients call on [T, 4, 4] matrices (softmax, then 20 rounds of
 two normalisations), and the model calls it twice per layer: at decode that launch count, not arithmetic, is the
-cost. Here one program takes a block of tokens, keeps their n x n matrices in registers and unrolls the iterations.
+cost. Here a program keeps its tokens' n x n matrices in registers and unrolls the iterations. The logits before
+it (an RMS norm, a GEMV against fn [(2 + n) n, n D], scales and bias: 6 more launches in torch) become one split-K
+launch: at batch 1 reading fn (1.5 MB for flash) is the work, so it is spread over up to 64 programs. On an H200 at
+flash's sizes, in a CUDA graph, a sublayer's weights take ~10 us at batch 1 instead of ~23 (the same at 37 tokens;
+a prefill chunk of 4096 bf16 tokens ~13% slower than cuBLAS, which is not batch invariant).
 The collapse (a weighted sum of the n streams) and the expansion (the mix of the old streams plus the sublayer's
 output) are a few element-wise torch ops each; here each is one pass over the streams in fp32.
 """
@@ -15,20 +20,21 @@ import triton
 import triton.language as tl
 
 BLOCK_T = 16
+# The logits' projection is cut into at most this many K-splits of whole BLOCK_K columns. The cut depends on the
+# width alone, never on the token count: a token's sum is then added in the same order in any batch.
+MAX_SPLITS = 64
+BLOCK_K = 128
 
 
 @triton.jit
-def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl.constexpr, ITERS: tl.constexpr,
-                BLOCK_T: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ok = rows < T
+def _store_coefficients(pre, post, comb, rows, ok, pre_ptr, post_ptr, comb_ptr, eps, N: tl.constexpr,
+                        ITERS: tl.constexpr):
+    """``pre``, ``post`` [BLOCK_T, N] and ``comb`` [BLOCK_T, N, N] logits -> the coefficients, stored."""
     i = tl.arange(0, N)
-    base = logits_ptr + rows.to(tl.int64) * stride_l
-    pre = tl.sigmoid(tl.load(base[:, None] + i[None, :], mask=ok[:, None], other=0.0)) + eps
-    post = 2 * tl.sigmoid(tl.load(base[:, None] + N + i[None, :], mask=ok[:, None], other=0.0))
     cell = i[:, None] * N + i[None, :]  # [N, N]: row-major position of comb[r, c]
-    x = tl.load(base[:, None, None] + 2 * N + cell[None, :, :], mask=ok[:, None, None], other=0.0)
-    e = tl.exp(x - tl.max(x, axis=2)[:, :, None])
+    pre = tl.sigmoid(pre) + eps
+    post = 2 * tl.sigmoid(post)
+    e = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
     comb = e / tl.sum(e, axis=2)[:, :, None] + eps
     comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
     for _ in tl.static_range(ITERS - 1):
@@ -37,6 +43,76 @@ def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl
     tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=ok[:, None])
     tl.store(post_ptr + rows[:, None] * N + i[None, :], post, mask=ok[:, None])
     tl.store(comb_ptr + rows[:, None, None] * (N * N) + cell[None, :, :], comb, mask=ok[:, None, None])
+
+
+@triton.jit
+def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl.constexpr, ITERS: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < T
+    i = tl.arange(0, N)
+    cell = i[:, None] * N + i[None, :]
+    base = logits_ptr + rows.to(tl.int64) * stride_l
+    pre = tl.load(base[:, None] + i[None, :], mask=ok[:, None], other=0.0)
+    post = tl.load(base[:, None] + N + i[None, :], mask=ok[:, None], other=0.0)
+    comb = tl.load(base[:, None, None] + 2 * N + cell[None, :, :], mask=ok[:, None, None], other=0.0)
+    _store_coefficients(pre, post, comb, rows, ok, pre_ptr, post_ptr, comb_ptr, eps, N, ITERS)
+
+
+@triton.jit
+def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, K, M: tl.constexpr,
+                         M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCKS_PER_SPLIT: tl.constexpr):
+    """Split ``program_id(1)``'s share, BLOCKS_PER_SPLIT blocks of BLOCK_K columns of the flat streams, of each
+    token's projection onto fn's M rows (dots [T, S, M]) and of its sum of squares (squares [T, S]), in fp32.
+
+    One token at a time, products summed element-wise over the blocks and reduced once: a decode step's few tokens
+    cost only their own arithmetic (a 16-row tl.dot would multiply the padding too), and the program's fn columns,
+    read from memory for its first token, come from the L1 cache for the others."""
+    split = tl.program_id(1)
+    m = tl.arange(0, M_PAD)
+    for t in range(BLOCK_T):
+        row = tl.program_id(0) * BLOCK_T + t
+        if row < T:
+            products = tl.zeros((M_PAD, BLOCK_K), tl.float32)
+            squares = tl.zeros((BLOCK_K,), tl.float32)
+            for block in range(BLOCKS_PER_SPLIT):
+                cols = (split * BLOCKS_PER_SPLIT + block) * BLOCK_K + tl.arange(0, BLOCK_K)
+                in_row = cols < K
+                x = tl.load(streams_ptr + row.to(tl.int64) * stride_st + cols, mask=in_row, other=0.0).to(tl.float32)
+                w = tl.load(fn_ptr + m[:, None] * K + cols[None, :], mask=(m[:, None] < M) & in_row[None, :],
+                            other=0.0)
+                products += w * x[None, :]
+                squares += x * x
+            at = row.to(tl.int64) * tl.num_programs(1) + split
+            tl.store(dots_ptr + at * M + m, tl.sum(products, axis=1), mask=m < M)
+            tl.store(squares_ptr + at, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _mhc_weights_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, splits, K,
+                        norm_eps, eps, N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One token's splits from ``_mix_partials_kernel`` summed, RMS-scaled, scaled and biased into logits, then as
+    ``_mhc_kernel``. One token a program: a decode step's program does no work for padding rows, and all of a
+    token's splits load at once, summed in one reduction whose order the split count alone sets."""
+    token = tl.program_id(0).to(tl.int64)
+    split = tl.arange(0, SPLITS_PAD)
+    present = split < splits
+    i = tl.arange(0, N)
+    cell = i[:, None] * N + i[None, :]
+    dots = dots_ptr + (token * splits + split) * ((2 + N) * N)
+    pre = tl.sum(tl.load(dots[:, None] + i[None, :], mask=present[:, None], other=0.0), axis=0)
+    post = tl.sum(tl.load(dots[:, None] + N + i[None, :], mask=present[:, None], other=0.0), axis=0)
+    comb = tl.sum(tl.load(dots[:, None, None] + 2 * N + cell[None, :, :], mask=present[:, None, None], other=0.0),
+                  axis=0)
+    squares = tl.sum(tl.load(squares_ptr + token * splits + split, mask=present, other=0.0), axis=0)
+    rstd = 1.0 / tl.sqrt(squares / K + norm_eps)
+    pre = pre * rstd * tl.load(scale_ptr) + tl.load(base_ptr + i)
+    post = post * rstd * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i)
+    comb = comb * rstd * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + cell)
+    rows = token + tl.arange(0, 1)
+    _store_coefficients(pre[None, :], post[None, :], comb[None, :, :], rows, rows < T, pre_ptr, post_ptr, comb_ptr,
+                        eps, N, ITERS)
 
 
 @triton.jit
@@ -109,16 +185,26 @@ def _block_d(width: int) -> int:
     return min(1024, triton.next_power_of_2(width))
 
 
+def _check_sinkhorn(hc_mult: int, sinkhorn_iters: int) -> None:
+    if hc_mult & (hc_mult - 1) or sinkhorn_iters < 1:
+        raise ValueError(f"the Triton mHC kernel needs a power-of-two hc_mult and sinkhorn_iters >= 1, got "
+                         f"{hc_mult} and {sinkhorn_iters}")
+
+
+def _splits(width: int) -> tuple[int, int]:
+    """(K-splits, BLOCK_K blocks per split) of a token's flat streams ``width`` wide, none empty."""
+    blocks_per_split = triton.cdiv(triton.cdiv(width, BLOCK_K), MAX_SPLITS)
+    return triton.cdiv(width, blocks_per_split * BLOCK_K), blocks_per_split
+
+
 class TritonMHC:
     name = "triton"
     graph_safe = True
-    batch_invariant = True  # one token's reductions per program
+    batch_invariant = True  # a token's reductions in one program each, or in splits cut by the width alone
 
     def coefficients(self, logits, hc_mult, sinkhorn_iters, eps):
         n = hc_mult
-        if n & (n - 1) or sinkhorn_iters < 1:
-            raise ValueError(f"the Triton mHC kernel needs a power-of-two hc_mult and sinkhorn_iters >= 1, got "
-                             f"{hc_mult} and {sinkhorn_iters}")
+        _check_sinkhorn(n, sinkhorn_iters)
         if logits.dtype != torch.float32 or logits.stride(-1) != 1:
             raise ValueError(f"mHC logits must be fp32 with unit-stride rows, got {logits.dtype}, {logits.stride()}")
         tokens = logits.shape[0]
@@ -128,6 +214,36 @@ class TritonMHC:
         if tokens:
             _mhc_kernel[(triton.cdiv(tokens, BLOCK_T),)](logits, logits.stride(0), pre, post, comb, tokens, eps, N=n,
                                                         ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T)
+        return pre, post, comb
+
+    def weights(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
+        n, logits = hc_mult, (2 + hc_mult) * hc_mult
+        _check_sinkhorn(n, sinkhorn_iters)
+        if streams.dim() != 3 or streams.shape[1] != n or streams.shape[2] == 0:
+            raise ValueError(f"mHC streams must be [T, hc_mult = {n}, D > 0], got {list(streams.shape)}")
+        tokens, width = streams.shape[0], n * streams.shape[2]
+        if fn.dtype != torch.float32 or not fn.is_contiguous() or fn.shape != (logits, width):
+            raise ValueError(f"mHC fn must be contiguous fp32 [(2 + n) n, n D] = [{logits}, {width}], got "
+                             f"{'' if fn.is_contiguous() else 'strided '}{fn.dtype} {list(fn.shape)}")
+        if (base.dtype, scale.dtype) != (torch.float32,) * 2 or base.shape != (logits,) or scale.shape != (3,):
+            raise ValueError(f"mHC base and scale must be fp32 [{logits}] and [3], got {base.dtype} "
+                             f"{list(base.shape)} and {scale.dtype} {list(scale.shape)}")
+        flat = streams.flatten(1)  # a view unless the streams' channels are strided
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        pre = torch.empty(tokens, n, dtype=torch.float32, device=streams.device)
+        post = torch.empty_like(pre)
+        comb = torch.empty(tokens, n, n, dtype=torch.float32, device=streams.device)
+        if tokens:
+            splits, blocks_per_split = _splits(width)
+            dots = torch.empty(tokens, splits, logits, dtype=torch.float32, device=streams.device)
+            squares = torch.empty(tokens, splits, dtype=torch.float32, device=streams.device)
+            _mix_partials_kernel[(triton.cdiv(tokens, BLOCK_T), splits)](
+                flat, flat.stride(0), fn, dots, squares, tokens, width, M=logits, M_PAD=triton.next_power_of_2(logits),
+                BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split)
+            _mhc_weights_kernel[(tokens,)](dots, squares, base.contiguous(), scale.contiguous(), pre, post, comb,
+                                           tokens, splits, width, norm_eps, hc_eps, N=n, ITERS=sinkhorn_iters,
+                                           SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
         return pre, post, comb
 
     def collapse(self, streams, pre, norm_weight=None, eps=0.0):

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import moe_blocks
+from deepinfer_nvidia import activation, moe_blocks, routing
 from deepinfer_nvidia.fp8_linear import act_quant
 
 logger = init_logger(__name__)
@@ -279,6 +279,12 @@ class TritonMoE:
         self.batch_invariant = pinned
         if pinned:
             self.name = "triton, pinned tiles (batch-invariant)"
+
+    def route(self, x, token_ids, router):
+        return routing.route(x, token_ids, router, pinned=self.pinned)
+
+    def swiglu(self, gate, up, limit):
+        return activation.swiglu(gate, up, limit)
 
     def routed_experts(self, x, topk_ids, topk_weights, weights):
         w1, w3, w2 = weights.w1, weights.w3, weights.w2

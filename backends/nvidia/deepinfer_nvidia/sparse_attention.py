@@ -29,7 +29,7 @@ import triton.language as tl
 
 from deepinfer.core import fp8_kv
 from deepinfer.core.ops import select_topk
-from deepinfer_nvidia.compress_pool import compress_pool
+from deepinfer_nvidia.compress_pool import compress_pool, store_compressor_rows
 from deepinfer_nvidia.kv_store import NOPE as FP8_NOPE
 from deepinfer_nvidia.kv_store import PAGE as FP8_PAGE
 from deepinfer_nvidia.kv_store import PAGE_BYTES as FP8_PAGE_BYTES
@@ -37,7 +37,9 @@ from deepinfer_nvidia.kv_store import ROW_BYTES as FP8_ROW_BYTES
 from deepinfer_nvidia.kv_store import SCALE_BYTES as FP8_SCALE_BYTES
 from deepinfer_nvidia.kv_store import TILE as FP8_TILE
 from deepinfer_nvidia.kv_store import store_rows
+from deepinfer_nvidia.norm import rms_norm
 from deepinfer_nvidia.rope import rotate
+from deepinfer_nvidia.slots import padded_slots
 
 LOG2E = math.log2(math.e)
 MIN_TILES_PER_SPLIT = 4  # below this a split writes about as many partial bytes as it reads key bytes
@@ -344,8 +346,17 @@ class TritonAttention:
     def store_rows(self, pool, slots, rows):
         store_rows(pool, slots, rows)
 
+    def store_compressor_rows(self, state, slots, kv, score, position_bias, positions):
+        store_compressor_rows(state, slots, kv, score, position_bias, positions)
+
     def rotate(self, x, phases, rope_dim, inverse=False):
         return rotate(x, phases, rope_dim, inverse)
+
+    def rms_norm(self, x, weight, eps):
+        return rms_norm(x, weight, eps)
+
+    def padded_slots(self, layout, inputs):
+        return padded_slots(layout, inputs)
 
     def compress_pool(self, state, rows, ratio, overlap, norm_weight, eps):
         return compress_pool(state, rows, ratio, overlap, norm_weight, eps)

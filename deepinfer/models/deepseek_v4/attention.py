@@ -13,7 +13,7 @@ from torch import nn
 
 from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
 from deepinfer.core.linear import Linear
-from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary, unweighted_rms_norm
+from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
 from deepinfer.plugins.interfaces import AttentionBackend
 
 
@@ -46,12 +46,6 @@ class Compressor(nn.Module):
         self.wgate = _linear(overlap * dim, hidden)
         self.ape = nn.Parameter(torch.zeros(ratio, overlap * dim, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(dim, eps)
-
-    def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Per-token rows ``[kv | score]`` in fp32; the position bias is folded into the score."""
-        kv = self.wkv(x).float()
-        score = self.wgate(x).float() + self.ape[positions % self.ratio]
-        return torch.cat([kv, score], dim=-1)
 
     def pool(self, state: torch.Tensor, meta: CompressedMeta, backend: AttentionBackend) -> torch.Tensor:
         """Entries [n, dim] (normed, before RoPE, fp32) for the windows closing in this step."""
@@ -87,10 +81,10 @@ class Attention(nn.Module):
         self.ratio = c.compress_ratios[layer_id]
         self.scale = self.head_dim**-0.5
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank)
-        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, backend)
         self.wq_b = Linear(c.q_lora_rank, c.num_heads * c.head_dim)
         self.wkv = Linear(c.hidden_size, c.head_dim)
-        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, backend)
         self.wo_a = _linear(c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
         self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32), requires_grad=False)
@@ -103,7 +97,10 @@ class Attention(nn.Module):
 
     def _compress(self, compressor: Compressor, x, batch: ForwardBatch, meta: CompressedMeta, state, entries
                   ) -> None:
-        state.index_copy_(0, meta.state_slots, batch.gather(compressor.state_rows(x, batch.positions)))
+        # every token's state row, the position bias folded into its score (``AttentionBackend.store_compressor_rows``)
+        self.backend.store_compressor_rows(state, meta.state_slots, batch.gather(compressor.wkv(x)),
+                                           batch.gather(compressor.wgate(x)), compressor.ape,
+                                           batch.gather(batch.positions))
         if meta.close_slots.numel():
             pooled = compressor.pool(state, meta, self.backend)
             pooled = self.rotary.apply(pooled, meta.close_phases)
@@ -113,7 +110,7 @@ class Attention(nn.Module):
         """The rotated per-head queries [T, H, D] and the low-rank query rows the indexer reads."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
-        return self.rotary.apply(unweighted_rms_norm(q, self.eps), phases), qr
+        return self.rotary.apply(self.backend.rms_norm(q, None, self.eps), phases), qr
 
     def keys(self, x: torch.Tensor, phases) -> torch.Tensor:
         """The window rows [T, D] of ``x`` (keys and values at once)."""

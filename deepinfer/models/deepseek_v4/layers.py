@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from deepinfer.core.ops import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """Weighted RMSNorm computed in fp32; the weight stays fp32 and the result takes the input dtype."""
+    """Weighted RMSNorm computed in fp32; the weight stays fp32 and the result takes the input dtype. With an
+    attention ``backend`` (the norms inside attention), the backend computes it (``AttentionBackend.rms_norm``)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused kernel on CUDA instead of seven (the arithmetic is the same)
-        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+        if self.backend is not None:
+            return self.backend.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalised ``x`` over its last dim, in fp32 (one fused kernel on CUDA), returned in ``x``'s dtype."""
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    """RMS-normalised ``x`` over its last dim, in fp32, returned in ``x``'s dtype."""
+    return rms_norm(x, None, eps)
 
 
 class Rotary:

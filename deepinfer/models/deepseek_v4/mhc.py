@@ -28,11 +28,8 @@ class HyperConnection(nn.Module):
 
     def collapse(self, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams`` [T, n, D] -> (sublayer input [T, D] normalized by ``norm``, post [T, n], comb [T, n, n])."""
-        n = self.hc_mult
-        mix = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps) @ self.fn.T
-        scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
-        logits = torch.addcmul(self.base, mix, scales)
-        pre, post, comb = self.backend.coefficients(logits, n, self.sinkhorn_iters, self.hc_eps)
+        pre, post, comb = self.backend.weights(streams, self.fn, self.base, self.scale, self.hc_mult,
+                                               self.sinkhorn_iters, self.hc_eps, self.norm_eps)
         return self.backend.collapse(streams, pre, norm.weight, norm.eps), post, comb
 
     def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

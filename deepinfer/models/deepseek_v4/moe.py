@@ -1,21 +1,13 @@
-"""DeepSeek-V4 MoE: router (hash or score top-k with correction bias), routed experts, shared expert."""
+"""DeepSeek-V4 MoE: router (hash or score top-k with correction bias), routed experts, shared expert. The MoE
+backend routes (``MoEBackend.route``) and runs the routed experts."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.core.linear import ExpertStack, Linear
-from deepinfer.core.ops import swiglu
-from deepinfer.plugins.interfaces import ExpertWeights, MoEBackend
-
-
-_SCORE_FUNCTIONS = {
-    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
-    "softmax": lambda logits: logits.softmax(dim=-1),
-    "sigmoid": torch.sigmoid,
-}
+from deepinfer.plugins.interfaces import ExpertWeights, MoEBackend, RouterWeights
 
 
 class MoE(nn.Module):
@@ -29,7 +21,7 @@ class MoE(nn.Module):
         self.backend = backend
         self.is_hash = is_hash
         self.top_k = config.num_experts_per_tok
-        self.score = _SCORE_FUNCTIONS[config.scoring_func]
+        self.scoring_func = config.scoring_func
         self.norm_topk_prob = config.norm_topk_prob
         self.route_scale = config.routed_scaling_factor
         self.limit = config.swiglu_limit
@@ -50,18 +42,15 @@ class MoE(nn.Module):
         self.shared_experts.w2 = Linear(shared_inter, hidden)
         self.activation_block = config.weight_block_size[1]
 
+    @property
+    def router(self) -> RouterWeights:
+        # built per call, not kept: moving the module to a device replaces its buffers (bias, tid2eid)
+        gate = self.gate
+        return RouterWeights(gate.weight, None if self.is_hash else gate.bias, gate.tid2eid if self.is_hash else None,
+                             self.top_k, self.scoring_func, self.norm_topk_prob, self.route_scale)
+
     def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.score(x.float() @ self.gate.weight.float().T)
-        if self.is_hash:
-            ids = self.gate.tid2eid[token_ids].long()
-        else:
-            # sorted: the slots' order sets the order their outputs are summed in, and an unsorted top-k's order is
-            # whatever its algorithm, chosen by the tensor's size, leaves
-            ids = torch.topk(scores + self.gate.bias, self.top_k, dim=-1, sorted=True).indices
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.route_scale
+        return self.backend.route(x, token_ids, self.router)
 
     def hold_experts(self, count: int) -> None:
         """Expert parallelism: this process keeps ``count`` expert slots (built on ``meta``, before loading)."""
@@ -95,5 +84,4 @@ class MoE(nn.Module):
             routed = self.expert_parallel.routed_experts(self.layer_index, x, ids, weights, self._expert_weights(),
                                                          self.backend)
         shared = self.shared_experts
-        hidden = swiglu(shared.w1(x), shared.w3(x), self.limit)
-        return routed + shared.w2(hidden.to(x.dtype))
+        return routed + shared.w2(self.backend.swiglu(shared.w1(x), shared.w3(x), self.limit))

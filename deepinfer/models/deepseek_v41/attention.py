@@ -122,10 +122,10 @@ class Attention(nn.Module):
         self.ratio = c.compress_ratios[layer_id]
         self.scale = self.head_dim**-0.5
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank)
-        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, backend)
         self.wq_b = Linear(c.q_lora_rank, c.num_heads * c.head_dim)
         self.wkv = Linear(c.hidden_size, c.head_dim)
-        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, backend)
         self.wo_a = _linear(c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
         self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32), requires_grad=False)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.plugins.interfaces import MHCBackend
@@ -63,10 +62,5 @@ class MixPredictor(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
 
     def forward(self, streams: torch.Tensor):
-        n = self.hc_mult
-        flat = streams.flatten(1).float()
-        # project first, then scale by the RMS, as the released kernel does
-        mixes = F.linear(flat, self.fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
-        logits = torch.addcmul(self.base, mixes, scales)
-        return self.backend.coefficients(logits, n, self.sinkhorn_iters, self.hc_eps)
+        return self.backend.weights(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
+                                    self.hc_eps, self.norm_eps)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer.core import fp8_kv
-from deepinfer.core.ops import compress_pool, rotate_pairs, select_topk
+from deepinfer.core.ops import compress_pool, compressor_rows, rms_norm, rotate_pairs, select_topk
+from deepinfer.core.slots import padded_slots
 from deepinfer.plugins.hookspecs import hookimpl
 
 # Queries per chunk are chosen so one chunk's gathered keys stay near this many elements.
@@ -29,8 +30,17 @@ class TorchAttention:
     def compress_pool(self, state, rows, ratio, overlap, norm_weight, eps):
         return compress_pool(state, rows, ratio, overlap, norm_weight, eps)
 
+    def store_compressor_rows(self, state, slots, kv, score, position_bias, positions):
+        state.index_copy_(0, slots, compressor_rows(kv, score, position_bias, positions))
+
     def rotate(self, x, phases, rope_dim, inverse=False):
         return rotate_pairs(x, phases, rope_dim, inverse)
+
+    def rms_norm(self, x, weight, eps):
+        return rms_norm(x, weight, eps)
+
+    def padded_slots(self, layout, inputs):
+        return padded_slots(layout, inputs)
 
     def sparse_attention(self, q, sources, sinks, scale):
         num_tokens, num_heads, dim = q.shape

@@ -1,9 +1,9 @@
-"""Reference hyper-connections: sigmoids and a Sinkhorn loop of small torch ops, the streams' collapse and
-expansion (``core.ops``)."""
+"""Reference hyper-connections: the logits' projection, sigmoids and a Sinkhorn loop of small torch ops, the
+streams' collapse and expansion (``core.ops``)."""
 
 from __future__ import annotations
 
-from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand
+from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand, mhc_logits
 from deepinfer.plugins.hookspecs import hookimpl
 
 
@@ -14,6 +14,10 @@ class TorchMHC:
 
     def coefficients(self, logits, hc_mult, sinkhorn_iters, eps):
         return mhc_coefficients(logits, hc_mult, sinkhorn_iters, eps)
+
+    def weights(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
+        # through self.coefficients: a subclass that replaces only the Sinkhorn (Ascend) serves this too
+        return self.coefficients(mhc_logits(streams, fn, base, scale, norm_eps), hc_mult, sinkhorn_iters, hc_eps)
 
     def collapse(self, streams, pre, norm_weight=None, eps=0.0):
         return mhc_collapse(streams, pre, norm_weight, eps)

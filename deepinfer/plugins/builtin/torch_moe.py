@@ -1,10 +1,10 @@
-"""Reference routed-experts backend: loops over the experts that received tokens."""
+"""Reference MoE backend: routing as ``core.ops.route_tokens``; loops over the experts that received tokens."""
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.core.ops import project, swiglu
+from deepinfer.core.ops import project, route_tokens, swiglu
 from deepinfer.plugins.hookspecs import hookimpl
 
 
@@ -16,6 +16,12 @@ class TorchMoE:
     name = "torch-reference"
     graph_safe = False  # loops over the experts that received tokens, which the host must know
     batch_invariant = True  # a token's experts are summed in expert order, whoever else was routed there
+
+    def route(self, x, token_ids, router):
+        return route_tokens(x, token_ids, router)
+
+    def swiglu(self, gate, up, limit):
+        return swiglu(gate, up, limit).to(gate.dtype)
 
     def routed_experts(self, x, topk_ids, topk_weights, weights):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
