@@ -1,14 +1,15 @@
 """Kernel launches in one padded decode step (what a CUDA graph holds), counted on a CPU: no GPU needed.
 
     TRITON_INTERPRET=1 PYTHONPATH=.:backends/nvidia python tools/count_launches.py [DTYPE, default bfloat16] [--ops]
-        [--model=DIR]
+        [--model=DIR] [--prompt-len=N]
 
 Builds a tiny V4 with flash4L's layer pattern (sliding, sliding, CSA, HCA; three hash-routed), serves attention, MoE
 and mHC with the NVIDIA plugin's Triton kernels (run by Triton's interpreter) and counts, per decode step, the
 Triton launches and the outermost torch ops by module (each such op is at least one kernel on a GPU; views and
 allocations are left out). Graph launch time on the host and the device's gaps between kernels both grow with it.
 ``--ops`` lists the torch ops by name; ``--model=DIR`` counts another checkpoint's step instead (e.g.
-``tests/fixtures/v41_tiny``, V4.1 with FP8 and MXFP4 weights, whose projections the plugin's Triton GEMM serves).
+``tests/fixtures/v41_tiny``, V4.1 with FP8 and MXFP4 weights, whose projections the plugin's Triton GEMM serves;
+its interpreted prefill is slow: ``--prompt-len=40`` shortens it, default 197, past a ratio-128 window).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def main() -> None:
                                                                           "heavily_compressed_attention"],
                                         compress_rates={"compressed_sparse_attention": 4,
                                                         "heavily_compressed_attention": 128})
-    prompt = [list(range(3, 200))]
+    length = int(next((a.removeprefix("--prompt-len=") for a in sys.argv[1:] if a.startswith("--prompt-len=")), 197))
+    prompt = [list(range(3, 3 + length))]
     with registered(_triton_on_cpu(), "triton_on_cpu"):
         dtype = next((a for a in sys.argv[1:] if not a.startswith("--")), "bfloat16")
         llm = LLM(str(checkpoint), dtype=dtype, device="cpu")

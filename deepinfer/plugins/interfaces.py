@@ -66,8 +66,9 @@ class AttentionBackend(Protocol):
         is the reference)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        """The norms inside attention: ``x`` [..., D] RMS-normalized over its last dim in fp32, times ``weight`` [D]
-        (fp32) when given, in ``x``'s dtype (``deepinfer.core.ops.rms_norm`` is the reference)."""
+        """The model's RMSNorms that no other kernel fuses (attention's query, key and per-head norms, the final
+        norm): ``x`` [..., D] RMS-normalized over its last dim in fp32, times ``weight`` [D] (fp32) when given, in
+        ``x``'s dtype (``deepinfer.core.ops.rms_norm`` is the reference)."""
 
     def store_rows(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes ``rows`` [n, D] at ``slots`` [n] (all valid) of a cache pool the attention reads: a row tensor

@@ -10,7 +10,8 @@ from deepinfer.core.ops import rms_norm
 
 class RMSNorm(nn.Module):
     """Weighted RMSNorm computed in fp32; the weight stays fp32 and the result takes the input dtype. With an
-    attention ``backend`` (the norms inside attention), the backend computes it (``AttentionBackend.rms_norm``)."""
+    attention ``backend`` (attention's norms, the final norm), the backend computes it (``AttentionBackend.rms_norm``);
+    norms whose weight another kernel reads (mHC's collapse, the compressor's pooling) have none."""
 
     def __init__(self, dim: int, eps: float, backend=None):
         super().__init__()
@@ -29,21 +30,29 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, None, eps)
 
 
+def unit_phases(positions: torch.Tensor, freqs: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+    """``exp(i positions x freqs)`` [T, F] in two kernels: the product promotes the integer positions to fp32 itself
+    (no cast kernel) and the unit modulus is ``ones`` [F] broadcast (no fill kernel): each rotary runs this every
+    decode step."""
+    angles = positions.unsqueeze(-1) * freqs
+    return torch.polar(ones.expand_as(angles), angles)
+
+
 class Rotary:
     """Interleaved (GPT-J) RoPE on the trailing ``rope_dim`` channels of each head, applied by the attention backend
     (``AttentionBackend.rotate``; ``deepinfer.core.ops.rotate_pairs`` is the reference)."""
 
     def __init__(self, inv_freq: torch.Tensor, backend):
         self.inv_freq = inv_freq.float()
+        self.ones = torch.ones_like(self.inv_freq)
         self.rope_dim = 2 * inv_freq.numel()
         self.backend = backend
 
     def phases(self, positions: torch.Tensor) -> torch.Tensor:
         """Unit complex numbers ``[T, rope_dim/2]``."""
         if self.inv_freq.device != positions.device:  # moved once, outside any CUDA-graph capture
-            self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
-        return torch.polar(torch.ones_like(angles), angles)
+            self.inv_freq, self.ones = self.inv_freq.to(positions.device), self.ones.to(positions.device)
+        return unit_phases(positions, self.inv_freq, self.ones)
 
     def apply(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return self.backend.rotate(x, phases, self.rope_dim, inverse)

@@ -66,7 +66,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             for i in range(c.num_layers)
         )
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, attention)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         # a drafter (classic MTP) asks for the final streams of every token: ``features`` [T, hc_mult * hidden]
         self.keep_features = False

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from deepinfer.models.deepseek_v4.layers import unit_phases
 from deepinfer.plugins.interfaces import MHCBackend
 
 
@@ -33,16 +34,15 @@ class ComplexRotary:
             high = min(math.ceil(pair_index(yarn.beta_slow)), dim - 1)
             ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
             freqs = freqs / yarn.factor * ramp + freqs * (1 - ramp)
-        self.freqs = freqs
+        self.freqs, self.ones = freqs, torch.ones_like(freqs)
         self.rope_dim = dim
         self.backend = backend
 
     def phases(self, positions: torch.Tensor) -> torch.Tensor:
         """Unit complex numbers ``[T, rope_dim/2]``."""
         if self.freqs.device != positions.device:  # moved once, outside any CUDA-graph capture
-            self.freqs = self.freqs.to(positions.device)
-        angles = positions.float().unsqueeze(-1) * self.freqs
-        return torch.polar(torch.ones_like(angles), angles)
+            self.freqs, self.ones = self.freqs.to(positions.device), self.ones.to(positions.device)
+        return unit_phases(positions, self.freqs, self.ones)
 
     def apply(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return self.backend.rotate(x, phases, self.rope_dim, inverse)

@@ -91,7 +91,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             Block(c, i, self.rotary_compress if c.compress_ratios[i] else self.rotary_main, attention, moe, mhc)
             for i in range(c.num_layers)
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, attention)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         cast_floating(self, dtype, keeps_fp32)
         if c.engram_layer_ids:
