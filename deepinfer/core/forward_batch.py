@@ -380,8 +380,8 @@ class ForwardBatchBuilder:
         entry_pos = torch.where(entries < visible.unsqueeze(1), entries * ratio, -1)
         close_tokens = inputs.close_tokens[ratio]
         window_ids, close_owner = visible[close_tokens] - 1, owner[close_tokens]
+        # positions before the sequence start (the first window's older half) have no slot: ``slot_of`` gives -1
         row_pos = (window_ids - overlap + 1).unsqueeze(1) * ratio + torch.arange(overlap * ratio, device=device)
-        row_pos = torch.where(window_ids.unsqueeze(1) >= 0, row_pos, -1)
         if overlap:
             state = inputs.tables[state_kind]
             close_rows = slot_of(self.layout, state, state_kind, close_owner.unsqueeze(1), row_pos)
