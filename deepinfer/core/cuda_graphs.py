@@ -98,7 +98,8 @@ class DecodeGraphs:
             context = min(max(MIN_CONTEXT, context), self.max_model_len)
         else:  # padding rows may sit past max_model_len: the bucket must still cover them
             context = max(MIN_CONTEXT, context)
-        return PaddedShape(size * q, -(-context // self.builder.block_size), {r: -(-context // r) for r in self.ratios},
+        blocks = -(-context // self.builder.layout.block_size)
+        return PaddedShape(size * q, blocks, {r: -(-context // r) for r in self.ratios},
                            self.cache.scratch_rows, q)
 
     def logits(self, scheduled, before_launch=lambda token_ids: None) -> torch.Tensor:

@@ -212,16 +212,12 @@ class ForwardBatchBuilder:
 
     def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device,
                  token_history: int = 0, host_inputs=None, slot_backend=None):
-        self.window = window
-        # compression ratio -> how many windows pool each compressor-state row (2 for V4's CSA, 1 for HCA and
-        # V4.1's ratio 2, 0 where no compressor state is kept)
-        self.ratios = ratios
+        # window, block size, rows per block of each cache kind, and per compression ratio how many windows pool
+        # each compressor-state row (2 for V4's CSA, 1 for HCA and V4.1's ratio 2, 0 where no state is kept)
+        self.layout = SlotLayout(window, block_size, rows_per_block, ratios)
         # (token_ids [T], history [T, token_history]) -> the model's extra inputs, when it looks at earlier tokens
         self.token_history, self.host_inputs = token_history, host_inputs
-        self.block_size = block_size
-        self.rows_per_block = rows_per_block
         self.device = device
-        self.layout = SlotLayout(window, block_size, rows_per_block, ratios)
         # an ``AttentionBackend``: it derives padded steps' slots (``padded_slots``); None: the torch reference
         self.slot_backend = slot_backend
 
@@ -245,14 +241,14 @@ class ForwardBatchBuilder:
         replay_rows, replay_floor = self._replay(scheduled)
         ends = positions + 1
         # a padded batch has fixed candidate widths and closes a row per token: only unpadded ones need these
-        closing = {} if padded else {r: (ends % r == 0).nonzero().flatten() for r in self.ratios}
-        widths = {} if padded else {r: int((ends // r).max()) for r in self.ratios}
+        closing = {} if padded else {r: (ends % r == 0).nonzero().flatten() for r in self.layout.overlaps}
+        widths = {} if padded else {r: int((ends // r).max()) for r in self.layout.overlaps}
         inputs = StepInputs(
             token_ids=token_ids,
             positions=positions,
             owner=owner,
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
-            tables={kind: self._tables(requests, kind) for kind in self.rows_per_block},
+            tables={kind: self._tables(requests, kind) for kind in self.layout.rows_per_block},
             close_tokens=closing,
             extras=self.host_inputs(token_ids, self._history(scheduled)) if self.token_history else {},
             candidates=widths,
@@ -264,7 +260,7 @@ class ForwardBatchBuilder:
     def _replay(self, scheduled) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decoder layers' rows and window floors, when some request's replay start hides a row or a row's
         window from them; (None, None) otherwise (every decode step: its window lies past the replay start)."""
-        if all(not r.replay_start or start - self.window + 1 >= r.replay_start for r, start, _ in scheduled):
+        if all(not r.replay_start or start - self.layout.window + 1 >= r.replay_start for r, start, _ in scheduled):
             return None, None
         rows, floors, first = [], [], 0
         for r, start, n in scheduled:
@@ -287,7 +283,7 @@ class ForwardBatchBuilder:
             positions += range(start, start + q)
         pad = padded.num_tokens - len(token_ids)
         tables = {}
-        for kind in self.rows_per_block:
+        for kind in self.layout.rows_per_block:
             rows = [list(r.tables.get(kind, ())[:blocks]) for r, _, _ in scheduled]
             rows = [row + [-1] * (blocks - len(row)) for row in rows] + [[-1] * blocks] * (requests - len(scheduled))
             tables[kind] = torch.tensor(rows, dtype=torch.int64)
@@ -339,7 +335,7 @@ class ForwardBatchBuilder:
             logits_rows=inputs.logits_rows,
             extras=inputs.extras,
         )
-        for ratio, overlap in self.ratios.items():
+        for ratio, overlap in self.layout.overlaps.items():
             batch.compressed[ratio] = self._compressed(inputs, ratio, overlap)
         if inputs.replay_rows is not None:
             rows = inputs.replay_rows
@@ -365,7 +361,7 @@ class ForwardBatchBuilder:
             window=slots.window,
             logits_rows=inputs.logits_rows,
             compressed={ratio: CompressedMeta(ratio, overlap, *slots.compressed[ratio])
-                        for ratio, overlap in self.ratios.items()},
+                        for ratio, overlap in self.layout.overlaps.items()},
             extras=inputs.extras,
         )
 
