@@ -56,10 +56,10 @@ def _dense_drafts(model, layer, features: dict[int, torch.Tensor], token_ids: li
         phase = model.rotary_main.phases(torch.tensor([at], device=device))
         mixed = layer.mix(model.embed(token), state)
         x, post, comb = layer.hc_attn.collapse(mixed, layer.attn_norm)
-        own = attn.keys(x, phase)[0]
+        own = attn.keys(attn.wkv(x), phase)[0]
         rows = rows[:at] + [own]  # the chain's rows replace whatever stood at its positions
         window = torch.stack(rows[max(0, at - c.window + 1):])  # [K, D]
-        q, _ = attn.queries(x, phase)  # [1, H, D]
+        q, _ = attn.queries(attn.wq_a(x), phase)  # [1, H, D]
         scores = torch.einsum("hd,kd->hk", q[0].float(), window.float()) * attn.scale
         weights = torch.softmax(torch.cat([scores, attn.attn_sink.float().unsqueeze(1)], dim=1), dim=1)[:, :-1]
         o = torch.einsum("hk,kd->hd", weights, window.float()).to(x.dtype).unsqueeze(0)

@@ -276,7 +276,8 @@ def test_compressor_rows_match_the_reference(tokens, width, ratio, dtype):
     """Rows written at their slots (the others untouched), widened to fp32, the position bias in the score half."""
     g = torch.Generator().manual_seed(tokens + width)
     state = torch.randn(40, 2 * width, generator=g).to(DEVICE)
-    kv, score = (torch.randn(tokens, width, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    # the column slices of one fused projection's output, as the model passes them (read in place)
+    kv, score = torch.randn(tokens, 2 * width + 16, generator=g).to(dtype).to(DEVICE)[:, 16:].split(width, dim=-1)
     bias = torch.randn(ratio, width, generator=g).to(DEVICE)
     positions = torch.randint(0, 4 * ratio, (tokens,), generator=g).to(DEVICE)
     slots = torch.randperm(40, generator=g)[:tokens].to(DEVICE)

@@ -213,3 +213,14 @@ def test_shared_expert_swiglu_matches_the_reference(shape, dtype):
     assert ours.dtype == dtype and ours.shape == gate.shape
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
     torch.testing.assert_close(ours, TorchMoE().swiglu(gate, up, 7.0), **tolerance)
+
+
+def test_shared_expert_swiglu_reads_the_halves_of_a_fused_projection():
+    """gate and up as the column halves of one [T, 2I] GEMM output (``SharedInput``): read in place."""
+    g = torch.Generator().manual_seed(4)
+    fused = (torch.randn(5, 2 * 1100, generator=g) * 8).to(torch.bfloat16).to(DEVICE)
+    gate, up = fused.split(1100, dim=-1)
+    ours = moe_module.TritonMoE(reference=TorchMoE()).swiglu(gate, up, 7.0)
+    assert ours.is_contiguous()
+    torch.testing.assert_close(ours, TorchMoE().swiglu(gate.contiguous(), up.contiguous(), 7.0), rtol=2**-7,
+                               atol=2**-7)

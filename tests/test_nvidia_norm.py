@@ -33,6 +33,19 @@ def test_rms_norm_matches_the_reference(shape, dtype, weighted):
     torch.testing.assert_close(ours, rms_norm(x, weight, 1e-6), **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_reads_the_column_slice_of_a_fused_projection(dtype):
+    """Rows with a stride (one projection's columns of a fused GEMM's output) are read in place."""
+    g = torch.Generator().manual_seed(3)
+    fused = (torch.randn(6, 96 + 40, generator=g) * 2).to(dtype).to(DEVICE)
+    x = fused[:, 96:]
+    weight = (torch.rand(40, generator=g) + 0.5).to(DEVICE)
+    ours = triton_rms_norm(x, weight, 1e-6)
+    assert ours.is_contiguous() and ours.shape == x.shape
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
+    torch.testing.assert_close(ours, rms_norm(x.contiguous(), weight, 1e-6), **tolerance)
+
+
 def test_a_wrong_weight_is_refused():
     x = torch.randn(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="fp32"):

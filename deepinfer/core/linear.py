@@ -26,9 +26,11 @@ class Linear(nn.Module):
     multiplied by the linear backend, which rounds the activations to FP8 as the release does.
     """
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
         self.register_buffer("scale", None)
         self.backend: LinearBackend | None = None
         self.activation_block = 0
@@ -37,6 +39,83 @@ class Linear(nn.Module):
         if self.scale is None:
             return F.linear(x, self.weight)
         return self.backend.linear(x, self.weight, self.scale, self.activation_block)
+
+
+class SharedInput:
+    """Projections of one input computed as one GEMM per weight format: ``projections(x)`` -> each one's output,
+    by name.
+
+    A decode step is mostly small GEMMs whose cost is their launch, not their bytes: attention reads its input with
+    up to seven (queries, window KV, the compressors' KV and gates, the indexer's weights). ``fuse()``, once the
+    weights are loaded, concatenates the weights (and scales) of each format by rows and points every projection's
+    weight at its rows of the result, so memory is not doubled and each module still computes alone (a drafter's
+    stage, or code that needs one output). Before ``fuse()`` each runs by itself. The outputs are column slices of
+    the fused GEMM's result: row-strided, not contiguous.
+    """
+
+    __slots__ = ("projections", "groups")
+
+    def __init__(self, projections: dict[str, nn.Module]):
+        self.projections = projections
+        self.groups: list[tuple[nn.Module, list[str], list[int]]] | None = None  # (fused module, names, widths)
+
+    def fuse(self) -> None:
+        formats: dict[tuple, list[str]] = {}
+        for name, module in self.projections.items():
+            formats.setdefault(_weight_format(module), []).append(name)
+        self.groups = []
+        for names in formats.values():
+            members = [self.projections[n] for n in names]
+            widths = [m.weight.shape[0] for m in members]
+            if len(members) == 1:
+                self.groups.append((members[0], names, widths))
+                continue
+            fused = _fused(members)
+            for module, rows in zip(members, fused.weight.split(widths)):
+                module.weight = nn.Parameter(rows, requires_grad=False)
+            if fused.scale is not None:
+                scale_widths = [m.scale.shape[0] for m in members]
+                for module, rows in zip(members, fused.scale.split(scale_widths)):
+                    module.scale = rows
+            self.groups.append((fused, names, widths))
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.groups is None:
+            return {name: module(x) for name, module in self.projections.items()}
+        outputs = {}
+        for module, names, widths in self.groups:
+            outputs.update(zip(names, module(x).split(widths, dim=-1)))
+        return outputs
+
+
+def _weight_format(module: nn.Module) -> tuple:
+    """Projections with equal keys fuse: same weight dtype and, when quantized, whole scale tiles per row block
+    (the rows of one tile can not be split between two projections)."""
+    weight, scale = module.weight, getattr(module, "scale", None)
+    if scale is None:
+        return (weight.dtype, weight.shape[1])
+    rows_per_tile, rest = divmod(weight.shape[0], scale.shape[0])
+    if rest:
+        return (id(module),)  # a partial tile: alone
+    return (weight.dtype, weight.shape[1], scale.dtype, scale.shape[1], rows_per_tile, module.activation_block)
+
+
+def _fused(members: list[nn.Module]) -> nn.Module:
+    first = members[0]
+    fused = Linear(first.weight.shape[1], sum(m.weight.shape[0] for m in members), device="meta")
+    fused.weight = nn.Parameter(torch.cat([m.weight for m in members]), requires_grad=False)
+    if getattr(first, "scale", None) is not None:
+        fused.scale = torch.cat([m.scale for m in members])
+        fused.backend, fused.activation_block = first.backend, first.activation_block
+    return fused
+
+
+def fuse_shared_inputs(model: nn.Module) -> None:
+    """``SharedInput.fuse`` for every set of projections ``model``'s modules keep (once its weights are loaded)."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, SharedInput):
+                value.fuse()
 
 
 class ExpertStack(nn.Module):

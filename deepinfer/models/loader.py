@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deepinfer.core.linear import materialize, quantizable_weights
+from deepinfer.core.linear import fuse_shared_inputs, materialize, quantizable_weights
 from deepinfer.core.weights import dummy_layout, fill_dummy, plan_load, stream_into
 from deepinfer.models.registry import checkpoint_naming, model_class
 from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBackend, MoEBackend
@@ -48,7 +48,9 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
         extras = stream_into(plan, tensors)
     model.attach(extras)
     model.backends = Backends(attention, moe, linear, mhc)  # what a drafter plugin builds its stages with
-    return model.to(device)  # the buffers the model computes itself (RoPE, hashing tables)
+    model = model.to(device)  # the buffers the model computes itself (RoPE, hashing tables)
+    fuse_shared_inputs(model)
+    return model
 
 
 def _hold_experts(model: nn.Module, expert_parallel) -> dict[str, list[int]]:
@@ -83,3 +85,4 @@ def load_part(module: nn.Module, model_config, model_dir: Path, checkpoint_name,
     block = model_config.weight_block_size
     plan = plan_load(model_dir, expected, canonical=canonical, quantizable=quantizable, block=block)
     stream_into(plan, materialize(module, plan.layout, checkpoint_name, device, linear, block[1]))
+    fuse_shared_inputs(module)

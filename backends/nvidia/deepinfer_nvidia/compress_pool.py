@@ -87,7 +87,10 @@ def store_compressor_rows(state, slots, kv, score, position_bias, positions):
         raise ValueError(f"compressor state and position bias must be fp32 (state with unit column stride), got "
                          f"{state.dtype} and {position_bias.dtype}")
     if tokens:
-        kv, score, bias = kv.contiguous(), score.contiguous(), position_bias.contiguous()
+        # a fused projection's column slices: rows keep their stride, columns must be dense
+        kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+        score = score if score.stride(-1) == 1 else score.contiguous()
+        bias = position_bias.contiguous()
         grid = (tokens, triton.cdiv(width, ROWS_BLOCK))
         _compressor_rows_kernel[grid](kv, kv.stride(0), score, score.stride(0), bias, positions.contiguous(),
                                       slots.contiguous(), state, state.stride(0), width, bias.shape[0],

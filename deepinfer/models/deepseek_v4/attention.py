@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
-from deepinfer.core.linear import Linear
+from deepinfer.core.linear import Linear, SharedInput
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
 from deepinfer.plugins.interfaces import AttentionBackend
 
@@ -64,11 +64,16 @@ class Indexer(nn.Module):
         self.compressor = Compressor(config.hidden_size, self.dim, config.csa_ratio, 2, config.rms_norm_eps)
         self.weight_scale = self.dim**-0.5 * self.n_heads**-0.5
 
-    def forward(self, x, qr, phases, keys, meta: CompressedMeta, backend: AttentionBackend) -> torch.Tensor:
-        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.dim)
+    def forward(self, weights, qr, phases, keys, meta: CompressedMeta, backend: AttentionBackend) -> torch.Tensor:
+        """The top-k entries per query from ``weights`` (``weights_proj``'s output) and the low-rank query rows."""
+        if meta.candidates.shape[1] <= self.topk and not getattr(backend, "batch_invariant", False):
+            # every visible entry is picked: nothing to score. Listed in candidate order rather than by score, which
+            # only changes the order attention sums them in; batch-invariant mode scores anyway, since whether a
+            # request's candidates fit depends on how wide its batch made them
+            return meta.candidates
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.dim)
         q = self.rotary.apply(q, phases)
-        weights = self.weights_proj(x).float() * self.weight_scale
-        return backend.indexer_topk(q, weights, keys, meta.candidates, self.topk)
+        return backend.indexer_topk(q, weights.float() * self.weight_scale, keys, meta.candidates, self.topk)
 
 
 class Attention(nn.Module):
@@ -94,34 +99,44 @@ class Attention(nn.Module):
             self.compressor = Compressor(c.hidden_size, c.head_dim, self.ratio, overlap, c.rms_norm_eps)
             if self.ratio == c.csa_ratio:
                 self.indexer = Indexer(c, rotary)
+        # everything that reads the layer's input, as one GEMM per weight format once loaded
+        projections = {"q": self.wq_a, "kv": self.wkv}
+        if self.compressor is not None:
+            projections.update({"compressor.kv": self.compressor.wkv, "compressor.gate": self.compressor.wgate})
+        if self.indexer is not None:
+            projections.update({"index.kv": self.indexer.compressor.wkv, "index.gate": self.indexer.compressor.wgate,
+                                "index.weights": self.indexer.weights_proj})
+        self.inputs = SharedInput(projections)
 
-    def _compress(self, compressor: Compressor, x, batch: ForwardBatch, meta: CompressedMeta, state, entries
-                  ) -> None:
+    def _compress(self, compressor: Compressor, kv, score, batch: ForwardBatch, meta: CompressedMeta, state,
+                  entries) -> None:
+        """``kv`` and ``score``: the compressor's projections of the layer input."""
         # every token's state row, the position bias folded into its score (``AttentionBackend.store_compressor_rows``)
-        self.backend.store_compressor_rows(state, meta.state_slots, batch.gather(compressor.wkv(x)),
-                                           batch.gather(compressor.wgate(x)), compressor.ape,
-                                           batch.gather(batch.positions))
+        self.backend.store_compressor_rows(state, meta.state_slots, batch.gather(kv), batch.gather(score),
+                                           compressor.ape, batch.gather(batch.positions))
         if meta.close_slots.numel():
             pooled = compressor.pool(state, meta, self.backend)
             pooled = self.rotary.apply(pooled, meta.close_phases)
             self.backend.store_rows(entries, meta.close_slots, pooled)
 
-    def queries(self, x: torch.Tensor, phases) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotated per-head queries [T, H, D] and the low-rank query rows the indexer reads."""
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
+    def queries(self, q_lora: torch.Tensor, phases) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotated per-head queries [T, H, D] and the low-rank query rows the indexer reads, from ``wq_a``'s
+        output."""
+        qr = self.q_norm(q_lora)
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
         return self.rotary.apply(self.backend.rms_norm(q, None, self.eps), phases), qr
 
-    def keys(self, x: torch.Tensor, phases) -> torch.Tensor:
-        """The window rows [T, D] of ``x`` (keys and values at once)."""
-        return self.rotary.apply(self.kv_norm(self.wkv(x)), phases)
+    def keys(self, kv: torch.Tensor, phases) -> torch.Tensor:
+        """The window rows [T, D] (keys and values at once) from ``wkv``'s output."""
+        return self.rotary.apply(self.kv_norm(kv), phases)
 
     def output(self, o: torch.Tensor, phases) -> torch.Tensor:
         return grouped_output(self.rotary.apply(o, phases, inverse=True), self.wo_a, self.wo_b, self.o_groups)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, phases, caches) -> torch.Tensor:
-        q, qr = self.queries(x, phases)
-        kv = self.keys(x, phases)
+        projected = self.inputs(x)
+        q, qr = self.queries(projected["q"], phases)
+        kv = self.keys(projected["kv"], phases)
 
         raw = caches.pool("swa", "kv", self.layer_id)
         self.backend.store_rows(raw, batch.swa_slots, batch.gather(kv))
@@ -131,13 +146,16 @@ class Attention(nn.Module):
             entries_kind, state_kind = f"comp{self.ratio}", f"state{self.ratio}"
             entries = caches.pool(entries_kind, "kv", self.layer_id)
             state = caches.pool(state_kind, "kv", self.layer_id)
-            self._compress(self.compressor, x, batch, meta, state, entries)
+            self._compress(self.compressor, projected["compressor.kv"], projected["compressor.gate"], batch, meta,
+                           state, entries)
             if self.indexer is None:
                 sources.append((entries, meta.candidates))
             else:
                 keys = caches.pool(entries_kind, "index", self.layer_id)
                 key_state = caches.pool(state_kind, "index", self.layer_id)
-                self._compress(self.indexer.compressor, x, batch, meta, key_state, keys)
-                sources.append((entries, self.indexer(x, qr, phases, keys, meta, self.backend)))
+                self._compress(self.indexer.compressor, projected["index.kv"], projected["index.gate"], batch, meta,
+                               key_state, keys)
+                sources.append((entries, self.indexer(projected["index.weights"], qr, phases, keys, meta,
+                                                      self.backend)))
 
         return self.output(self.backend.sparse_attention(q, sources, self.attn_sink, self.scale), phases)

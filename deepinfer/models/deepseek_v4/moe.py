@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.core.linear import ExpertStack, Linear
+from deepinfer.core.linear import ExpertStack, Linear, SharedInput
 from deepinfer.plugins.interfaces import ExpertWeights, MoEBackend, RouterWeights
 
 
@@ -40,6 +40,7 @@ class MoE(nn.Module):
         self.shared_experts.w1 = Linear(hidden, shared_inter)
         self.shared_experts.w3 = Linear(hidden, shared_inter)
         self.shared_experts.w2 = Linear(shared_inter, hidden)
+        self.shared_input = SharedInput({"gate": self.shared_experts.w1, "up": self.shared_experts.w3})
         self.activation_block = config.weight_block_size[1]
 
     @property
@@ -83,5 +84,5 @@ class MoE(nn.Module):
         else:
             routed = self.expert_parallel.routed_experts(self.layer_index, x, ids, weights, self._expert_weights(),
                                                          self.backend)
-        shared = self.shared_experts
-        return routed + shared.w2(self.backend.swiglu(shared.w1(x), shared.w3(x), self.limit))
+        projected = self.shared_input(x)
+        return routed + self.shared_experts.w2(self.backend.swiglu(projected["gate"], projected["up"], self.limit))

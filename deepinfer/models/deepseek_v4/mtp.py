@@ -49,15 +49,16 @@ class MTPLayer(Block):
     def window_rows(self, streams: torch.Tensor, phases) -> torch.Tensor:
         """The attention rows [N, D] the block writes for input ``streams`` (what later positions attend to)."""
         x, _, _ = self.hc_attn.collapse(streams, self.attn_norm)
-        return self.attn.keys(x, phases)
+        return self.attn.keys(self.attn.wkv(x), phases)
 
     def forward(self, streams: torch.Tensor, phases, rows: torch.Tensor, index: torch.Tensor,
                 store: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """The block over input ``streams`` [N, hc, H]: ``store`` puts its own window rows among ``rows`` [R, D],
         then each query reads the rows ``index`` [N, K] lists (-1: none)."""
         x, post, comb = self.hc_attn.collapse(streams, self.attn_norm)
-        q, _ = self.attn.queries(x, phases)
-        store(self.attn.keys(x, phases))
+        projected = self.attn.inputs(x)
+        q, _ = self.attn.queries(projected["q"], phases)
+        store(self.attn.keys(projected["kv"], phases))
         o = self.attn.backend.sparse_attention(q, [(rows, index)], self.attn.attn_sink, self.attn.scale)
         streams = self.hc_attn.expand(streams, self.attn.output(o, phases), post, comb)
         x, post, comb = self.hc_ffn.collapse(streams, self.ffn_norm)

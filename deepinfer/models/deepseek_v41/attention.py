@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
-from deepinfer.core.linear import Linear
+from deepinfer.core.linear import Linear, SharedInput
 from deepinfer.models.deepseek_v4.attention import grouped_output
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.core.quantization import round_fp8
@@ -133,6 +133,7 @@ class Attention(nn.Module):
         owns = self.ratio > 0 and self.source == layer_id
         self.compressor = Compressor(c.hidden_size, c.head_dim, self.ratio, c.rms_norm_eps) if owns else None
         self.indexer = Indexer(c, layer_id, owns) if layer_id in c.index_source_layer_ids else None
+        self.inputs = SharedInput({"q": self.wq_a, "kv": self.wkv})  # one FP8 GEMM once loaded
 
     def _compress(self, x, batch: ForwardBatch, meta: CompressedMeta, caches) -> None:
         kind = f"comp{self.ratio}"
@@ -153,9 +154,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, phases, caches, selection: Selection) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qr = self.q_norm(self.wq_a(x))
+        projected = self.inputs(x)
+        qr = self.q_norm(projected["q"])
         q = self.rotary.apply(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), phases)
-        kv = round_fp8(self.rotary.apply(self.kv_norm(self.wkv(x)), phases), 32)
+        kv = round_fp8(self.rotary.apply(self.kv_norm(projected["kv"]), phases), 32)
         raw = caches.pool("swa", "kv", self.layer_id)
         raw.index_copy_(0, batch.swa_slots, batch.gather(kv).to(raw.dtype))
         sources = [(raw, batch.window)]
