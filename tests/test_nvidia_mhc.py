@@ -76,6 +76,30 @@ def test_a_tokens_weights_do_not_depend_on_its_batch(dtype):
         assert all(torch.equal(a[0], b[token]) for a, b in zip(alone, batched)), token
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n, width, normed", [(1, 4, 100, True), (37, 4, 100, True), (5, 2, 300, False),
+                                                      (0, 4, 64, True), (2, 4, 2100, True)])
+def test_sublayer_input_is_the_weights_then_the_collapse(tokens, n, width, normed, dtype):
+    """One launch for the coefficients and the collapse (and the input norm) per token, against the reference's
+    ``weights`` then ``collapse``."""
+    streams, fn, base, scale = _mix_inputs(tokens, n, width, dtype, seed=tokens * 5 + width)
+    weight = torch.rand(width, generator=torch.Generator().manual_seed(width)).add(0.5).to(DEVICE) if normed else None
+    if DEVICE.type == "cuda":
+        torch.full((1 << 24,), float("nan"), device=DEVICE)  # freed at once: the outputs below reuse poisoned memory
+    x, post, comb = TritonMHC().sublayer_input(streams, fn, base, scale, n, 20, 1e-6, 1e-6, weight, 1e-6)
+    ref_x, ref_post, ref_comb = TorchMHC().sublayer_input(streams, fn, base, scale, n, 20, 1e-6, 1e-6, weight, 1e-6)
+    assert x.shape == (tokens, width) and x.dtype == dtype
+    _, weights_post, weights_comb = TritonMHC().weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6)
+    # as ``weights`` gives them, up to the Sinkhorn's reduction order (this launch has more warps a program)
+    torch.testing.assert_close(post, weights_post, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(comb, weights_comb, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(post, ref_post, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, ref_comb, rtol=1e-5, atol=1e-6)
+    # the reference rounds the bf16 sum before the norm, the kernel does not
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-6, "atol": 2**-6}
+    torch.testing.assert_close(x, ref_x, **tolerance)
+
+
 def test_weights_refuse_what_the_kernels_cannot_read():
     streams, fn, base, scale = _mix_inputs(3, 4, 64, torch.bfloat16, seed=4)
     with pytest.raises(ValueError, match="contiguous fp32"):

@@ -152,6 +152,13 @@ class MHCBackend(Protocol):
         fp32 and returned in the streams' dtype; with ``norm_weight`` [D] fp32, RMS-normalized (``eps``) and scaled
         by it, the sublayer's input norm (``deepinfer.core.ops.mhc_collapse``)."""
 
+    def sublayer_input(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                       hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                       norm_weight: torch.Tensor | None = None, eps: float = 0.0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``weights`` then ``collapse`` with their ``pre``: (the sublayer's input [T, D], post, comb), how a V4
+        sublayer enters (a backend may do both in fewer launches; ``pre`` need not be materialized)."""
+
     def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
                ) -> torch.Tensor:
         """The new streams [T, n, D]: ``post[:, o] * output + sum_i comb[:, i, o] * streams[:, i]`` computed in fp32

@@ -102,6 +102,11 @@ CASES = {
                                               "scale_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32",
                                               "comb_ptr": "*fp32", "norm_eps": "fp32"},
                     {"N": 4, "ITERS": 20, "SPLITS_PAD": 64}),
+    "mhc sublayer input": (mhc._sublayer_input_kernel, {"dots_ptr": "*fp32", "squares_ptr": "*fp32", "base_ptr": "*fp32",
+                                                      "scale_ptr": "*fp32", "streams_ptr": "*bf16", "weight_ptr": "*fp32",
+                                                      "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+                                                      "norm_eps": "fp32", "hc_eps": "fp32"},
+                           {"N": 4, "ITERS": 20, "SPLITS_PAD": 64, "BLOCK_D": 1024, "NORM": True}),
     "mhc": (mhc._mhc_kernel, {"logits_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32"},
             {"N": 4, "ITERS": 20, "BLOCK_T": 16}),
 }

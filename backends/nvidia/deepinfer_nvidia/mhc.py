@@ -1,6 +1,7 @@
 """mHC in Triton: a sublayer's weights from its streams in two launches (the logits' projection split over K, then
 the splits' sum, the sigmoids and the whole Sinkhorn loop of each token in registers), the streams' collapse and
-expansion in one launch each.
+expansion in one launch each; a V4 sublayer's input (weights, then the collapse with their ``pre``) in two, the
+second launch doing both per token.
 
 The reference spends ~120 kernel launches per coefficients call on [T, 4, 4] matrices (softmax, then 20 rounds of
 two normalisations), and the model calls it twice per layer: at decode that launch count, not arithmetic, is the
@@ -27,11 +28,8 @@ BLOCK_K = 128
 
 
 @triton.jit
-def _store_coefficients(pre, post, comb, rows, ok, pre_ptr, post_ptr, comb_ptr, eps, N: tl.constexpr,
-                        ITERS: tl.constexpr):
-    """``pre``, ``post`` [BLOCK_T, N] and ``comb`` [BLOCK_T, N, N] logits -> the coefficients, stored."""
-    i = tl.arange(0, N)
-    cell = i[:, None] * N + i[None, :]  # [N, N]: row-major position of comb[r, c]
+def _coefficients(pre, post, comb, eps, N: tl.constexpr, ITERS: tl.constexpr):
+    """``pre``, ``post`` [BLOCK_T, N] and ``comb`` [BLOCK_T, N, N] logits -> the coefficients."""
     pre = tl.sigmoid(pre) + eps
     post = 2 * tl.sigmoid(post)
     e = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
@@ -40,9 +38,24 @@ def _store_coefficients(pre, post, comb, rows, ok, pre_ptr, post_ptr, comb_ptr, 
     for _ in tl.static_range(ITERS - 1):
         comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
-    tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=ok[:, None])
+    return pre, post, comb
+
+
+@triton.jit
+def _store_mix(post, comb, rows, ok, post_ptr, comb_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    cell = i[:, None] * N + i[None, :]  # [N, N]: row-major position of comb[r, c]
     tl.store(post_ptr + rows[:, None] * N + i[None, :], post, mask=ok[:, None])
     tl.store(comb_ptr + rows[:, None, None] * (N * N) + cell[None, :, :], comb, mask=ok[:, None, None])
+
+
+@triton.jit
+def _store_coefficients(pre, post, comb, rows, ok, pre_ptr, post_ptr, comb_ptr, eps, N: tl.constexpr,
+                        ITERS: tl.constexpr):
+    """``pre``, ``post`` [BLOCK_T, N] and ``comb`` [BLOCK_T, N, N] logits -> the coefficients, stored."""
+    pre, post, comb = _coefficients(pre, post, comb, eps, N, ITERS)
+    tl.store(pre_ptr + rows[:, None] * N + tl.arange(0, N)[None, :], pre, mask=ok[:, None])
+    _store_mix(post, comb, rows, ok, post_ptr, comb_ptr, N)
 
 
 @triton.jit
@@ -90,12 +103,11 @@ def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, 
 
 
 @triton.jit
-def _mhc_weights_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, splits, K,
-                        norm_eps, eps, N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One token's splits from ``_mix_partials_kernel`` summed, RMS-scaled, scaled and biased into logits, then as
-    ``_mhc_kernel``. One token a program: a decode step's program does no work for padding rows, and all of a
-    token's splits load at once, summed in one reduction whose order the split count alone sets."""
-    token = tl.program_id(0).to(tl.int64)
+def _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N: tl.constexpr,
+                   SPLITS_PAD: tl.constexpr):
+    """One token's splits from ``_mix_partials_kernel`` summed, RMS-scaled, scaled and biased: its pre [1, N], post
+    [1, N] and comb [1, N, N] logits. All of a token's splits load at once, summed in one reduction whose order the
+    split count alone sets."""
     split = tl.arange(0, SPLITS_PAD)
     present = split < splits
     i = tl.arange(0, N)
@@ -110,9 +122,19 @@ def _mhc_weights_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, pre_ptr, pos
     pre = pre * rstd * tl.load(scale_ptr) + tl.load(base_ptr + i)
     post = post * rstd * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i)
     comb = comb * rstd * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + cell)
+    return pre[None, :], post[None, :], comb[None, :, :]
+
+
+@triton.jit
+def _mhc_weights_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, splits, K,
+                        norm_eps, eps, N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One token's coefficients from its ``_mix_partials_kernel`` splits. One token a program: a decode step's
+    program does no work for padding rows."""
+    token = tl.program_id(0).to(tl.int64)
+    pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N,
+                                     SPLITS_PAD)
     rows = token + tl.arange(0, 1)
-    _store_coefficients(pre[None, :], post[None, :], comb[None, :, :], rows, rows < T, pre_ptr, post_ptr, comb_ptr,
-                        eps, N, ITERS)
+    _store_coefficients(pre, post, comb, rows, rows < T, pre_ptr, post_ptr, comb_ptr, eps, N, ITERS)
 
 
 @triton.jit
@@ -127,13 +149,11 @@ def _streams_tile(streams_ptr, stride_st, stride_sn, token, start, D, N: tl.cons
 
 
 @triton.jit
-def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, weight_ptr, out_ptr, stride_out, D, eps,
-                     N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
-    """One token's row: the pre-weighted sum of its streams, RMS-normalized and scaled by the weight with NORM
-    (a first pass over the row for the sum of squares; the second recomputes the sum, cheaper than keeping it)."""
-    token = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, N)
-    pre = tl.load(pre_ptr + token * N + i)
+def _collapse_row(streams_ptr, stride_st, stride_sn, token, pre, weight_ptr, out_ptr, stride_out, D, eps,
+                  N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    """``token``'s row: the ``pre`` [N] weighted sum of its streams, RMS-normalized and scaled by the weight with
+    NORM (a first pass over the row for the sum of squares; the second recomputes the sum, cheaper than keeping
+    it)."""
     rstd = 1.0
     if NORM:
         squares = tl.zeros((BLOCK_D,), tl.float32)
@@ -152,6 +172,31 @@ def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, weight_ptr, out
             out = out * rstd * tl.load(weight_ptr + offs, mask=ok, other=0.0)
         tl.store(out_ptr + token * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
         start += BLOCK_D
+
+
+@triton.jit
+def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, weight_ptr, out_ptr, stride_out, D, eps,
+                     N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pre = tl.load(pre_ptr + token * N + tl.arange(0, N))
+    _collapse_row(streams_ptr, stride_st, stride_sn, token, pre, weight_ptr, out_ptr, stride_out, D, eps, N, BLOCK_D,
+                  NORM)
+
+
+@triton.jit
+def _sublayer_input_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_ptr, stride_st, stride_sn, weight_ptr,
+                           out_ptr, stride_out, post_ptr, comb_ptr, T, splits, K, D, norm_eps, hc_eps, eps,
+                           N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                           NORM: tl.constexpr):
+    """``_mhc_weights_kernel`` and ``_collapse_kernel`` in one program per token: ``pre`` stays in registers."""
+    token = tl.program_id(0).to(tl.int64)
+    pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N,
+                                     SPLITS_PAD)
+    pre, post, comb = _coefficients(pre, post, comb, hc_eps, N, ITERS)
+    rows = token + tl.arange(0, 1)
+    _store_mix(post, comb, rows, rows < T, post_ptr, comb_ptr, N)
+    _collapse_row(streams_ptr, stride_st, stride_sn, token, tl.sum(pre, axis=0), weight_ptr, out_ptr, stride_out, D,
+                  eps, N, BLOCK_D, NORM)
 
 
 @triton.jit
@@ -197,6 +242,49 @@ def _splits(width: int) -> tuple[int, int]:
     return triton.cdiv(width, blocks_per_split * BLOCK_K), blocks_per_split
 
 
+def _coefficient_buffers(streams: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pre = torch.empty(streams.shape[0], n, dtype=torch.float32, device=streams.device)
+    return pre, torch.empty_like(pre), torch.empty(streams.shape[0], n, n, dtype=torch.float32, device=streams.device)
+
+
+def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int):
+    """The first launch of a sublayer's weights: each token's projection onto ``fn`` and its sum of squares, split
+    over K. Returns (dots, squares, splits, flat width), or None without tokens."""
+    logits = (2 + n) * n
+    _check_sinkhorn(n, sinkhorn_iters)
+    if streams.dim() != 3 or streams.shape[1] != n or streams.shape[2] == 0:
+        raise ValueError(f"mHC streams must be [T, hc_mult = {n}, D > 0], got {list(streams.shape)}")
+    tokens, width = streams.shape[0], n * streams.shape[2]
+    if fn.dtype != torch.float32 or not fn.is_contiguous() or fn.shape != (logits, width):
+        raise ValueError(f"mHC fn must be contiguous fp32 [(2 + n) n, n D] = [{logits}, {width}], got "
+                         f"{'' if fn.is_contiguous() else 'strided '}{fn.dtype} {list(fn.shape)}")
+    if (base.dtype, scale.dtype) != (torch.float32,) * 2 or base.shape != (logits,) or scale.shape != (3,):
+        raise ValueError(f"mHC base and scale must be fp32 [{logits}] and [3], got {base.dtype} "
+                         f"{list(base.shape)} and {scale.dtype} {list(scale.shape)}")
+    if not tokens:
+        return None
+    flat = streams.flatten(1)  # a view unless the streams' channels are strided
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    splits, blocks_per_split = _splits(width)
+    dots = torch.empty(tokens, splits, logits, dtype=torch.float32, device=streams.device)
+    squares = torch.empty(tokens, splits, dtype=torch.float32, device=streams.device)
+    _mix_partials_kernel[(triton.cdiv(tokens, BLOCK_T), splits)](
+        flat, flat.stride(0), fn, dots, squares, tokens, width, M=logits, M_PAD=triton.next_power_of_2(logits),
+        BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split)
+    return dots, squares, splits, width
+
+
+def _collapse_inputs(streams: torch.Tensor, norm_weight: torch.Tensor | None):
+    """The streams with unit-stride channels, the norm's weight (None without) and whether there is one."""
+    streams = streams if streams.stride(-1) == 1 else streams.contiguous()
+    if norm_weight is None:
+        return streams, None, False
+    if norm_weight.dtype != torch.float32:
+        raise ValueError(f"the input norm's weight must be fp32, got {norm_weight.dtype}")
+    return streams, norm_weight.contiguous(), True
+
+
 class TritonMHC:
     name = "triton"
     graph_safe = True
@@ -217,46 +305,42 @@ class TritonMHC:
         return pre, post, comb
 
     def weights(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
-        n, logits = hc_mult, (2 + hc_mult) * hc_mult
-        _check_sinkhorn(n, sinkhorn_iters)
-        if streams.dim() != 3 or streams.shape[1] != n or streams.shape[2] == 0:
-            raise ValueError(f"mHC streams must be [T, hc_mult = {n}, D > 0], got {list(streams.shape)}")
-        tokens, width = streams.shape[0], n * streams.shape[2]
-        if fn.dtype != torch.float32 or not fn.is_contiguous() or fn.shape != (logits, width):
-            raise ValueError(f"mHC fn must be contiguous fp32 [(2 + n) n, n D] = [{logits}, {width}], got "
-                             f"{'' if fn.is_contiguous() else 'strided '}{fn.dtype} {list(fn.shape)}")
-        if (base.dtype, scale.dtype) != (torch.float32,) * 2 or base.shape != (logits,) or scale.shape != (3,):
-            raise ValueError(f"mHC base and scale must be fp32 [{logits}] and [3], got {base.dtype} "
-                             f"{list(base.shape)} and {scale.dtype} {list(scale.shape)}")
-        flat = streams.flatten(1)  # a view unless the streams' channels are strided
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        pre = torch.empty(tokens, n, dtype=torch.float32, device=streams.device)
-        post = torch.empty_like(pre)
-        comb = torch.empty(tokens, n, n, dtype=torch.float32, device=streams.device)
-        if tokens:
-            splits, blocks_per_split = _splits(width)
-            dots = torch.empty(tokens, splits, logits, dtype=torch.float32, device=streams.device)
-            squares = torch.empty(tokens, splits, dtype=torch.float32, device=streams.device)
-            _mix_partials_kernel[(triton.cdiv(tokens, BLOCK_T), splits)](
-                flat, flat.stride(0), fn, dots, squares, tokens, width, M=logits, M_PAD=triton.next_power_of_2(logits),
-                BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split)
-            _mhc_weights_kernel[(tokens,)](dots, squares, base.contiguous(), scale.contiguous(), pre, post, comb,
-                                           tokens, splits, width, norm_eps, hc_eps, N=n, ITERS=sinkhorn_iters,
-                                           SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
+        n = hc_mult
+        pre, post, comb = _coefficient_buffers(streams, n)
+        partials = _mix_partials(streams, fn, base, scale, n, sinkhorn_iters)
+        if partials is not None:
+            dots, squares, splits, width = partials
+            _mhc_weights_kernel[(streams.shape[0],)](dots, squares, base.contiguous(), scale.contiguous(), pre, post,
+                                                     comb, streams.shape[0], splits, width, norm_eps, hc_eps, N=n,
+                                                     ITERS=sinkhorn_iters, SPLITS_PAD=triton.next_power_of_2(splits),
+                                                     num_warps=1)
         return pre, post, comb
+
+    def sublayer_input(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps, norm_weight=None,
+                       eps=0.0):
+        n = hc_mult
+        _, post, comb = _coefficient_buffers(streams, n)
+        partials = _mix_partials(streams, fn, base, scale, n, sinkhorn_iters)
+        streams, weight, norm = _collapse_inputs(streams, norm_weight)
+        tokens, _, width = streams.shape
+        out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
+        if partials is not None:
+            dots, squares, splits, flat_width = partials
+            _sublayer_input_kernel[(tokens,)](
+                dots, squares, base.contiguous(), scale.contiguous(), streams, streams.stride(0), streams.stride(1),
+                post if weight is None else weight, out, out.stride(0), post, comb, tokens, splits, flat_width, width,
+                norm_eps, hc_eps, eps, N=n, ITERS=sinkhorn_iters, SPLITS_PAD=triton.next_power_of_2(splits),
+                BLOCK_D=_block_d(width), NORM=norm)
+        return out, post, comb
 
     def collapse(self, streams, pre, norm_weight=None, eps=0.0):
         streams, pre = _checked(streams, pre)
+        _, weight, norm = _collapse_inputs(streams, norm_weight)
         tokens, n, width = streams.shape
-        norm = norm_weight is not None
-        if norm and norm_weight.dtype != torch.float32:
-            raise ValueError(f"the input norm's weight must be fp32, got {norm_weight.dtype}")
-        weight = norm_weight.contiguous() if norm else pre  # unread without the norm
         out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
         if tokens:
-            _collapse_kernel[(tokens,)](streams, streams.stride(0), streams.stride(1), pre, weight, out, out.stride(0),
-                                        width, eps, N=n, BLOCK_D=_block_d(width), NORM=norm)
+            _collapse_kernel[(tokens,)](streams, streams.stride(0), streams.stride(1), pre, pre if weight is None else
+                                        weight, out, out.stride(0), width, eps, N=n, BLOCK_D=_block_d(width), NORM=norm)
         return out
 
     def expand(self, streams, output, post, comb):

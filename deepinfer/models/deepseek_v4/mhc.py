@@ -28,9 +28,8 @@ class HyperConnection(nn.Module):
 
     def collapse(self, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams`` [T, n, D] -> (sublayer input [T, D] normalized by ``norm``, post [T, n], comb [T, n, n])."""
-        pre, post, comb = self.backend.weights(streams, self.fn, self.base, self.scale, self.hc_mult,
-                                               self.sinkhorn_iters, self.hc_eps, self.norm_eps)
-        return self.backend.collapse(streams, pre, norm.weight, norm.eps), post, comb
+        return self.backend.sublayer_input(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
+                                           self.hc_eps, self.norm_eps, norm.weight, norm.eps)
 
     def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         # fp32, rounded once (HF rounds the mix and the update to bf16 separately: within one bf16 step of this)

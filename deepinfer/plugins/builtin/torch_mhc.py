@@ -22,6 +22,11 @@ class TorchMHC:
     def collapse(self, streams, pre, norm_weight=None, eps=0.0):
         return mhc_collapse(streams, pre, norm_weight, eps)
 
+    def sublayer_input(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps, norm_weight=None,
+                       eps=0.0):
+        pre, post, comb = self.weights(streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps)
+        return self.collapse(streams, pre, norm_weight, eps), post, comb
+
     def expand(self, streams, output, post, comb):
         return mhc_expand(streams, output, post, comb)
 
