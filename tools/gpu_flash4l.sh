@@ -6,13 +6,13 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
+# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
-# TESTS narrows `tests` to given files; IDLE_MODELS narrows `idle`, IDLE_ASYNC=1 skips its runs without overlap and
+# TESTS narrows `tests` to given files; IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap and
 # HOST_PROFILE=0 its host profile. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz.
 set -uo pipefail
@@ -86,6 +86,10 @@ if has kernels; then
     stamp kernels
     timeout 200 python tools/gpu_kernels.py 2>&1 | tee "$out/kernels.json" | tail -40
     timeout 100 python tools/gpu_kernels.py --triton-fp8 2>&1 | tee "$out/kernels_triton_fp8.json" | tail -12
+    has glue || timeout 150 python tools/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
+fi
+if has glue; then  # the fused decode-step glue against its torch reference only
+    stamp glue
     timeout 150 python tools/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
 fi
 
@@ -106,12 +110,12 @@ fi
 if has idle; then  # issue 7: device idle share between replayed decode steps, with and without overlap
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     for m in ${IDLE_MODELS:-/tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1}; do
-        for b in 1 64; do
+        for b in ${IDLE_BATCHES:-1 64}; do
             for a in ${IDLE_ASYNC:-1 0}; do
                 [[ $a == 0 && $m != /tmp/flash4L ]] && continue  # without overlap: flash4L only (time)
                 dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
                 stamp "idle $m b$b async=$a"
-                DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 python tools/profile_decode.py $m $dummy --graphs --steps 48 \
+                DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 python tools/profile_decode.py $m $dummy --graphs --steps 48 --top ${TOP:-30} \
                     --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle.jsonl"
             done
         done
@@ -120,8 +124,11 @@ if has idle; then  # issue 7: device idle share between replayed decode steps, w
     [[ ${HOST_PROFILE:-1} == 1 ]] && timeout 200 python tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
         2>&1 | grep -v INFO > "$out/host_flash4L_b1.txt"
 fi
-if has small; then
+if has small || has b1; then  # b1: the two headline figures only
     latency b1 --batch-size 1 --input-len 512 --output-len 64 --compare-hf
+    has small || latency b16 --batch-size 16 --input-len 512 --output-len 64 --compare-hf
+fi
+if has small; then
     latency b1_eager --batch-size 1 --input-len 512 --output-len 64 --enforce-eager
     latency b16 --batch-size 16 --input-len 512 --output-len 64 --compare-hf
     # the FP8 KV cache: FlashMLA serves its attention when build.sh provisioned it (the log says), Triton otherwise

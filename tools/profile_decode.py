@@ -7,7 +7,9 @@ Eager (the default), every kernel of a decode step is its own launch: the profil
 per step. With ``--graphs`` the steps replay CUDA graphs as in serving (asynchronous scheduling as
 DEEPINFER_ASYNC_SCHEDULING says); the profiler's kernel and copy intervals give the device's busy time, and the idle
 share is the part of the span from the first step's first kernel to the last step's last one that no kernel or copy
-covers. Prints one JSON line with it, the step's wall time and the engine's step metrics.
+covers; the between-steps share is the part of it after the copies that end a step and start the next, the rest being
+the launch gaps between a step's kernels. Prints one JSON line with them, the step's
+wall time and the engine's step metrics.
 """
 
 from __future__ import annotations
@@ -21,16 +23,33 @@ import torch
 from deepinfer import LLM, SamplingParams
 
 
+def _device_intervals(prof) -> list[tuple[float, float, str]]:
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def busy_and_span_us(prof) -> tuple[float, float]:
     """Union of the device's kernel and copy intervals, and the span they lie in (microseconds)."""
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    intervals = _device_intervals(prof)
     busy, end = 0.0, float("-inf")
-    for start, stop in intervals:
+    for start, stop, _ in intervals:
         if stop > end:
             busy += stop - max(start, end)
             end = stop
     return busy, intervals[-1][1] - intervals[0][0] if intervals else 0.0
+
+
+def between_steps_idle_us(prof) -> float:
+    """Device idle time between steps: after each copy (a step ends with its sampled tokens' copy to the host, the next
+    one starts with its inputs' copies), until the next operation starts. The rest of the idle time lies between the
+    kernels of a step, mostly the launch gaps inside a replayed graph, which no host work can fill."""
+    intervals = _device_intervals(prof)
+    idle, end = 0.0, float("-inf")
+    for (start, stop, name), following in zip(intervals, intervals[1:]):
+        end = max(end, stop)
+        if name.startswith("Memcpy"):
+            idle += max(0.0, following[0] - end)
+    return idle
 
 
 def main() -> None:
@@ -75,6 +94,7 @@ def main() -> None:
             "step_wall_ms": round(wall * 1e3 / args.steps, 3),
             "device_busy_ms_per_step": round(busy / 1e3 / args.steps, 3),
             "device_idle_share": round(1 - busy / span, 4) if span else None,
+            "between_steps_idle_share": round(between_steps_idle_us(prof) / span, 4) if span else None,
             "step_ms": {k: round(v, 3) for k, v in engine.step_metrics.per_step_ms().items()},
             # either makes some measured steps eager (recomputed prefills, a capture's warm-up run)
             "preemptions_while_measured": engine.scheduler.num_preemptions - preempted,

@@ -61,9 +61,13 @@ class InFlight:
                 index.append(offset + pos - start)
                 source.append(row)
             offset += count
-        if index:
-            index, source = to_device(torch.tensor([index, source]), token_ids.device)
-            token_ids[index] = self.tokens[source]
+        if not index:
+            return
+        if index == source == list(range(len(index))):  # the steady state: the same requests, one row each
+            token_ids[:len(index)].copy_(self.tokens[:len(index)])
+            return
+        index, source = to_device(torch.tensor([index, source]), token_ids.device)
+        token_ids[index] = self.tokens[source]
 
     def wait(self, clock) -> SamplerOutput:
         clock.wait(self.started, self.ready)

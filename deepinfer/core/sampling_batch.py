@@ -32,13 +32,16 @@ def build_sampling_batch(rows: list[tuple[Request, int]], vocab_size: int, devic
     requests = [r for r, _ in rows]
     params = [r.params for r in requests]
     index = [r.num_output_tokens + j for r, j in rows]  # the output position each row samples
-    # two host-to-device copies per step (one per dtype) rather than one per parameter, neither waiting for the
-    # device: with asynchronous scheduling it is still running the previous step
+    # one host-to-device copy per step (both dtypes' bytes in one buffer, viewed apart on the device) rather than one
+    # per parameter, not waiting for the device: with asynchronous scheduling it is still running the previous step
     floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
                             p.repetition_penalty] for p in params], dtype=torch.float32).T.contiguous()
     ints = torch.tensor([[max(p.top_k, 0), _sample_seed(r), i] for p, r, i in zip(params, requests, index)],
                         dtype=torch.int64).T.contiguous()
-    floats, ints = to_device(floats, device), to_device(ints, device)
+    packed = to_device(torch.cat([ints.view(-1).view(torch.uint8), floats.view(-1).view(torch.uint8)]), device)
+    split = ints.numel() * ints.element_size()  # the int64 rows first: the float32 rows after them stay aligned
+    ints = packed[:split].view(torch.int64).view(ints.shape)
+    floats = packed[split:].view(torch.float32).view(floats.shape)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     penalised = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
     return SamplingBatch(
