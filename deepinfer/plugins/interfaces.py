@@ -70,6 +70,11 @@ class AttentionBackend(Protocol):
         norm): ``x`` [..., D] RMS-normalized over its last dim in fp32, times ``weight`` [D] (fp32) when given, in
         ``x``'s dtype (``deepinfer.core.ops.rms_norm`` is the reference)."""
 
+    def round_to_format(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        """``x`` [..., D] quantized to a V4.1 cache format and dequantized back, along its last dim, in ``x``'s
+        dtype: ``"fp8"`` (e4m3, a power-of-two scale per 32 channels), ``"mxfp4"`` (e2m1, a power-of-two scale per
+        32) or ``"nvfp4"`` (e2m1, an e4m3 scale per 16); bit for bit as ``deepinfer.core.cache_formats``."""
+
     def store_rows(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes ``rows`` [n, D] at ``slots`` [n] (all valid) of a cache pool the attention reads: a row tensor
         (in its dtype) or ``FP8Rows`` (quantized; ``deepinfer.core.fp8_kv.store`` is the reference)."""

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import (activation, compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks, norm, rope,
+from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks, norm, rope,
                               routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
@@ -107,6 +107,9 @@ CASES = {
                                                       "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
                                                       "norm_eps": "fp32", "hc_eps": "fp32"},
                            {"N": 4, "ITERS": 20, "SPLITS_PAD": 64, "BLOCK_D": 1024, "NORM": True}),
+    **{f"{fmt} cache rounding": (cache_formats._round_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
+                                 {"GROUP": group, "GROUPS": cache_formats.GROUPS_PER_PROGRAM, "FORMAT": code})
+       for fmt, (group, code) in cache_formats.FORMATS.items()},
     "mhc": (mhc._mhc_kernel, {"logits_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32"},
             {"N": 4, "ITERS": 20, "BLOCK_T": 16}),
 }

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from deepinfer.core import fp8_kv
 from deepinfer.core.ops import select_topk
+from deepinfer_nvidia.cache_formats import round_to_format
 from deepinfer_nvidia.compress_pool import compress_pool, store_compressor_rows
 from deepinfer_nvidia.kv_store import NOPE as FP8_NOPE
 from deepinfer_nvidia.kv_store import PAGE as FP8_PAGE
@@ -351,6 +352,9 @@ class TritonAttention:
 
     def rotate(self, x, phases, rope_dim, inverse=False):
         return rotate(x, phases, rope_dim, inverse)
+
+    def round_to_format(self, x, fmt):
+        return round_to_format(x, fmt)
 
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)

@@ -28,8 +28,6 @@ from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
 from deepinfer.core.linear import Linear, SharedInput
 from deepinfer.models.deepseek_v4.attention import grouped_output
 from deepinfer.models.deepseek_v4.layers import RMSNorm
-from deepinfer.core.quantization import round_fp8
-from deepinfer.models.deepseek_v41.cache_formats import round_mxfp4, round_nvfp4
 from deepinfer.models.deepseek_v41.layers import ComplexRotary
 from deepinfer.core.ops import select_topk
 from deepinfer.plugins.interfaces import AttentionBackend
@@ -87,11 +85,12 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.dim, c.rms_norm_eps)
 
     def keys(self, latent: torch.Tensor, rotary: ComplexRotary, phases: torch.Tensor) -> torch.Tensor:
-        return round_mxfp4(rotary.apply(self.k_norm(self.wk(latent)), phases))
+        return rotary.backend.round_to_format(rotary.apply(self.k_norm(self.wk(latent)), phases), "mxfp4")
 
     def forward(self, x, qr, rotary: ComplexRotary, phases, keys, meta: CompressedMeta, positions,
                 selection: Selection, backend: AttentionBackend) -> torch.Tensor:
-        q = round_mxfp4(rotary.apply(self.wq_b(qr).view(x.shape[0], self.n_heads, self.dim), phases))
+        q = rotary.apply(self.wq_b(qr).view(x.shape[0], self.n_heads, self.dim), phases)
+        q = backend.round_to_format(q, "mxfp4")
         weights = self.weights_proj(x) * (self.dim**-0.5 * self.n_heads**-0.5)
         scores = backend.indexer_scores(q, weights, keys, meta.candidates)  # [T, C], -inf where not visible
         if self.is_candidate_source:
@@ -148,7 +147,8 @@ class Attention(nn.Module):
             self.compressor.latents(x, state, meta)
         phases = meta.close_phases
         entries = caches.pool(kind, "kv", self.layer_id)
-        entries.index_copy_(0, meta.close_slots, round_nvfp4(self.rotary.apply(latent, phases)).to(entries.dtype))
+        rounded = self.backend.round_to_format(self.rotary.apply(latent, phases), "nvfp4")
+        entries.index_copy_(0, meta.close_slots, rounded.to(entries.dtype))
         keys = caches.pool(kind, "index", self.layer_id)
         keys.index_copy_(0, meta.close_slots, self.indexer.keys(latent, self.rotary, phases).to(keys.dtype))
 
@@ -157,7 +157,7 @@ class Attention(nn.Module):
         projected = self.inputs(x)
         qr = self.q_norm(projected["q"])
         q = self.rotary.apply(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), phases)
-        kv = round_fp8(self.rotary.apply(self.kv_norm(projected["kv"]), phases), 32)
+        kv = self.backend.round_to_format(self.rotary.apply(self.kv_norm(projected["kv"]), phases), "fp8")
         raw = caches.pool("swa", "kv", self.layer_id)
         raw.index_copy_(0, batch.swa_slots, batch.gather(kv).to(raw.dtype))
         sources = [(raw, batch.window)]

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.core.quantization import round_fp8
 from deepinfer.models.deepseek_v4.attention import grouped_output
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v4.moe import MoE
@@ -86,7 +85,7 @@ class DSparkStage(nn.Module):
     def keys(self, x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
         """Attention rows of ``x`` (context rows or the block's own), FP8-rounded like window KV."""
         a = self.attn
-        return round_fp8(a.rotary.apply(a.kv_norm(a.wkv(x)), phases), 32)
+        return a.backend.round_to_format(a.rotary.apply(a.kv_norm(a.wkv(x)), phases), "fp8")
 
     def _attend(self, x, context_kv, index, phases):
         """Queries of every block position over [context rows | the block's own rows] (``index`` into both)."""

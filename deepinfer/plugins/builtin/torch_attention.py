@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.core import fp8_kv
+from deepinfer.core.cache_formats import round_to_format
 from deepinfer.core.ops import compress_pool, compressor_rows, rms_norm, rotate_pairs, select_topk
 from deepinfer.core.slots import padded_slots
 from deepinfer.plugins.hookspecs import hookimpl
@@ -26,6 +27,9 @@ class TorchAttention:
 
     def store_rows(self, pool, slots, rows):
         fp8_kv.store(pool, slots, rows)
+
+    def round_to_format(self, x, fmt):
+        return round_to_format(x, fmt)
 
     def compress_pool(self, state, rows, ratio, overlap, norm_weight, eps):
         return compress_pool(state, rows, ratio, overlap, norm_weight, eps)
