@@ -63,12 +63,12 @@ def round_to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"round_to_format rounds float32/bfloat16/float16 rows, got {x.dtype}")
     group, code = FORMATS[fmt]
-    width = x.shape[-1]
-    rows = x.reshape(-1, width) if x.numel() else x.view(0, max(width, 1))
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
+        width = x.shape[-1]
+        rows = x.reshape(-1, width)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
         grid = (rows.shape[0], triton.cdiv(triton.cdiv(width, group), GROUPS_PER_PROGRAM))
         _round_kernel[grid](rows, out, width, rows.stride(0), GROUP=group, GROUPS=GROUPS_PER_PROGRAM, FORMAT=code)
     return out
