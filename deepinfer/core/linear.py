@@ -26,11 +26,9 @@ class Linear(nn.Module):
     multiplied by the linear backend, which rounds the activations to FP8 as the release does.
     """
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.register_buffer("scale", None)
         self.backend: LinearBackend | None = None
         self.activation_block = 0
@@ -102,7 +100,8 @@ def _weight_format(module: nn.Module) -> tuple:
 
 def _fused(members: list[nn.Module]) -> nn.Module:
     first = members[0]
-    fused = Linear(first.weight.shape[1], sum(m.weight.shape[0] for m in members), device="meta")
+    with torch.device("meta"):  # its weight is the concatenation below: nothing to allocate first
+        fused = Linear(first.weight.shape[1], sum(m.weight.shape[0] for m in members))
     fused.weight = nn.Parameter(torch.cat([m.weight for m in members]), requires_grad=False)
     if getattr(first, "scale", None) is not None:
         fused.scale = torch.cat([m.scale for m in members])

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia.fp8_linear import _pow2_ceil, _round_to_e4m3
+from deepinfer_nvidia.fp8_linear import _pow2_ceil, _round_to_e4m3, _segment_scale
 
 # format -> (group size, kernel code)
 FORMATS = {"fp8": (32, 0), "mxfp4": (32, 1), "nvfp4": (16, 2)}
@@ -41,7 +41,7 @@ def _round_kernel(x_ptr, out_ptr, D, stride_x, GROUP: tl.constexpr, GROUPS: tl.c
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)[:, None]
     if FORMAT == 0:  # FP8: a power-of-two scale, e4m3 values
-        scale = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+        scale = _segment_scale(amax)  # as the FP8 GEMMs' activation rounding
         # rounded as a magnitude, the sign bit put back: a negative value rounded to zero stays -0.0 as in torch
         # (Triton's unary minus is a subtraction from +0.0, which would lose it)
         magnitude = _round_to_e4m3(tl.minimum(tl.abs(x) / scale, 448.0))

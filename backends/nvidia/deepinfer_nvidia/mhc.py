@@ -242,9 +242,11 @@ def _splits(width: int) -> tuple[int, int]:
     return triton.cdiv(width, blocks_per_split * BLOCK_K), blocks_per_split
 
 
-def _coefficient_buffers(streams: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pre = torch.empty(streams.shape[0], n, dtype=torch.float32, device=streams.device)
-    return pre, torch.empty_like(pre), torch.empty(streams.shape[0], n, n, dtype=torch.float32, device=streams.device)
+def _mix_buffers(streams: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``post`` [T, n] and ``comb`` [T, n, n], fp32, to be written."""
+    tokens = streams.shape[0]
+    return (torch.empty(tokens, n, dtype=torch.float32, device=streams.device),
+            torch.empty(tokens, n, n, dtype=torch.float32, device=streams.device))
 
 
 def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int):
@@ -306,7 +308,8 @@ class TritonMHC:
 
     def weights(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
         n = hc_mult
-        pre, post, comb = _coefficient_buffers(streams, n)
+        post, comb = _mix_buffers(streams, n)
+        pre = torch.empty_like(post)
         partials = _mix_partials(streams, fn, base, scale, n, sinkhorn_iters)
         if partials is not None:
             dots, squares, splits, width = partials
@@ -319,7 +322,7 @@ class TritonMHC:
     def sublayer_input(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps, norm_weight=None,
                        eps=0.0):
         n = hc_mult
-        _, post, comb = _coefficient_buffers(streams, n)
+        post, comb = _mix_buffers(streams, n)  # no pre: the kernel keeps it in registers
         partials = _mix_partials(streams, fn, base, scale, n, sinkhorn_iters)
         streams, weight, norm = _collapse_inputs(streams, norm_weight)
         tokens, _, width = streams.shape
