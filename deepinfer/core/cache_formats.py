@@ -36,7 +36,8 @@ def round_mxfp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 def round_nvfp4(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     groups = _groups(x, block)
     amax = groups.abs().amax(-1, keepdim=True)
-    scale = (amax.clamp_min(E2M1_MAX * 2**-9) / E2M1_MAX).to(torch.float8_e4m3fn).float()
+    # clamped before the cast: torch's e4m3 conversion saturates at 448 on a CPU but gives NaN past 480 on CUDA
+    scale = (amax.clamp_min(E2M1_MAX * 2**-9) / E2M1_MAX).clamp_max(448.0).to(torch.float8_e4m3fn).float()
     return _ungroup(_round_e2m1((groups / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale, x)
 
 
