@@ -81,6 +81,13 @@ class Envs:
     DEEPINFER_ASYNC_SCHEDULING: bool = _variable(
         "bool", True, "Schedule and launch the next step before the host has the current step's tokens (off: wait).",
     )
+    DEEPINFER_ENGRAM_TABLES: str = _variable(
+        "choice", "auto", "Where DeepSeek-V4.1's Engram tables are read: `device` hashes and gathers inside each step "
+        "(CUDA graphs; the step needs no token values on the host), `host` keeps them memory-mapped and gathers on "
+        "the host (the next step waits for the previous one's tokens), `auto` picks `device` when the tables take "
+        "at most an eighth of its memory (the released V4.1-Flash's 196 GB stay on the host).",
+        choices=("auto", "device", "host"),
+    )
     DEEPINFER_LOGGING_LEVEL: str = _variable(
         "choice", "INFO", "Level of the `deepinfer` loggers.",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -20,8 +20,9 @@ ENGINE_ARGS = [
 ]
 
 
-def _llm(checkpoint, monkeypatch, asynchronous: bool, engine_args) -> LLM:
+def _llm(checkpoint, monkeypatch, asynchronous: bool, engine_args, engram_tables: str = "auto") -> LLM:
     monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "1" if asynchronous else "0")
+    monkeypatch.setenv("DEEPINFER_ENGRAM_TABLES", engram_tables)
     envs.reload()
     return LLM(str(checkpoint), dtype="float32", **engine_args)
 
@@ -63,12 +64,19 @@ def test_outputs_are_the_same_with_and_without_overlap(tiny_v4_checkpoint, monke
         assert overlapped.engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("engine_args", [ENGINE_ARGS[0], ENGINE_ARGS[2]])
-def test_v41_engram_takes_the_previous_tokens_on_the_host_with_the_same_outputs(monkeypatch, engine_args):
-    """Engram hashes earlier token ids on the host: each step waits for the previous step's token values only,
-    and resolves its outputs while the device runs."""
-    waiting = _llm(V41_FIXTURE, monkeypatch, False, engine_args)
-    overlapped = _llm(V41_FIXTURE, monkeypatch, True, engine_args)
+@pytest.mark.parametrize(("engine_args", "tables"), [
+    pytest.param({}, "device", id="batched-device"),
+    pytest.param(ENGINE_ARGS[2].values[0], "device", id="preempted-device"),
+    pytest.param({}, "host", id="batched-host"),
+])
+def test_v41_engram_overlaps_with_the_same_outputs(monkeypatch, engine_args, tables):
+    """Engram tables on the device: each step hashes its own (in-flight) tokens, so nothing waits for the previous
+    step's tokens. On the host: each step waits for the previous step's token values only, and resolves its
+    outputs while the device runs. Both against waiting for every step with the host's hashing and gathers."""
+    waiting = _llm(V41_FIXTURE, monkeypatch, False, engine_args, "host")
+    overlapped = _llm(V41_FIXTURE, monkeypatch, True, engine_args, tables)
+    assert overlapped.engine.model.needs_host_tokens == (tables == "host")
+    assert overlapped.engine._needs_host_tokens([]) == (tables == "host")
     for params in _params(waiting):
         _assert_same(_outputs(overlapped, params), _outputs(waiting, params))
 

@@ -384,9 +384,9 @@ class LLMEngine:
         return self._structured
 
     def _needs_host_tokens(self, scheduled) -> bool:
-        """Whether this step's inputs need the previous step's token values on the host: Engram's hashes do, and
-        so do repetition/frequency/presence penalties, which count them."""
-        if self.model.token_history:
+        """Whether this step's inputs need the previous step's token values on the host: Engram's hashes do when
+        its tables are gathered on the host, and so do repetition/frequency/presence penalties, which count them."""
+        if self.model.needs_host_tokens:
             return True
         return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                    for p in (r.params for r, _, _ in scheduled))

@@ -46,9 +46,9 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
                          block=block, memory_mapped=model.memory_mapped, held_experts=held)
         tensors = materialize(model, plan.layout, model.checkpoint_name, device, linear, block[1])
         extras = stream_into(plan, tensors)
-    model.attach(extras)
     model.backends = Backends(attention, moe, linear, mhc)  # what a drafter plugin builds its stages with
-    model = model.to(device)  # the buffers the model computes itself (RoPE, hashing tables)
+    model = model.to(device)  # the buffers the model computes itself (RoPE)
+    model.attach(extras, device)
     fuse_shared_inputs(model)
     return model
 

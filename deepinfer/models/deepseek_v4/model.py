@@ -49,6 +49,7 @@ class Block(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     token_history = 0  # no layer looks at earlier token ids
+    needs_host_tokens = False
     graph_blocker = None  # nothing in the forward pass waits on the host
     decoder_start = None  # every layer keeps full-context state: no window-only decoder layers to replay
     host_inputs = None  # no per-token inputs beyond the slot tensors
@@ -87,7 +88,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def memory_mapped(name: str) -> bool:
         return False
 
-    def attach(self, extras: dict[str, torch.Tensor]) -> None:
+    def attach(self, extras: dict[str, torch.Tensor], device: torch.device) -> None:
         """Tensors the loader hands over outside the model's parameters; V4 has none."""
         if extras:
             raise ValueError(f"unexpected extra tensors for DeepSeek-V4: {sorted(extras)[:5]}")

@@ -51,9 +51,10 @@ def _is_prime(n: int) -> bool:
 
 
 class NgramHasher:
-    """Table rows ``[T, layers, (N-1) * heads]`` for the tokens of a step, given each token's predecessors.
+    """Table rows ``[T, (N-1) * heads]`` of one Engram layer for the tokens of a step, given each token's
+    predecessors.
 
-    Host-side (not a module: moving the model to its device leaves these tables where the lookups happen)."""
+    Not a module: moving the model to its device leaves these tensors where the tables are (``to``)."""
 
     def __init__(self, config, tokenizer):
         import numpy as np
@@ -94,18 +95,24 @@ class NgramHasher:
         self.offsets = torch.tensor(offsets, dtype=torch.int64, device="cpu")
         self.multipliers = torch.tensor(multipliers, dtype=torch.int64, device="cpu")
 
-    def __call__(self, token_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        """``token_ids`` [T]; ``history`` [T, N-1] the preceding ids, oldest first, -1 before the sequence start."""
+    def to(self, device: torch.device) -> NgramHasher:
+        for name in ("token_map", "primes", "offsets", "multipliers"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def __call__(self, token_ids: torch.Tensor, history: torch.Tensor, layer: int) -> torch.Tensor:
+        """``token_ids`` [T]; ``history`` [T, N-1] the preceding ids, oldest first, -1 before the sequence start;
+        ``layer`` the Engram layer's index among the Engram layers."""
         ids = torch.cat([token_ids.unsqueeze(1), history.flip(1)], dim=1)  # [T, N]: current, previous, ...
         started = (ids >= 0).cumprod(dim=1).bool()  # an n-gram reaching past position 0 is padded from there on
         tokens = torch.where(started, self.token_map[ids.clamp(min=0)], self.pad_id)
-        products = tokens.unsqueeze(1) * self.multipliers  # [T, layers, N]
-        rolling, rows = products[..., 0], []
+        products = tokens * self.multipliers[layer]  # [T, N], wrapping as int64 does on every device
+        rolling, rows = products[:, 0], []
         for length in range(1, self.order):
-            rolling = rolling ^ products[..., length]
+            rolling = rolling ^ products[:, length]
             heads = slice((length - 1) * self.heads, length * self.heads)
-            rows.append(rolling.unsqueeze(-1) % self.primes[:, heads])
-        return torch.cat(rows, dim=-1) + self.offsets
+            rows.append(rolling.unsqueeze(-1) % self.primes[layer, heads])
+        return torch.cat(rows, dim=-1) + self.offsets[layer]
 
 
 class Engram(nn.Module):
@@ -118,13 +125,15 @@ class Engram(nn.Module):
         self.wkv = Linear(lookups * c.engram_head_dim, c.hidden_size * (c.hc_mult + 1))
         self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
         self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
-        # FP8 rows and their per-32-channel scales, memory-mapped from the checkpoint (set by the loader)
+        # FP8 rows and their per-32-channel scales: memory-mapped from the checkpoint, or copied to the device
+        # (set by the model's ``attach``)
         self.table: torch.Tensor | None = None
         self.table_scale: torch.Tensor | None = None
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the host: the FP8 rows [T, lookups, dim] and their scales' exponent bytes [T, lookups, dim/32]."""
-        return self.table[rows], self.table_scale[rows].view(torch.uint8)
+        """The FP8 rows [T, lookups, dim] and their scales' exponent bytes [T, lookups, dim/32], where the tables
+        are (gathered as bytes: not every device indexes FP8 tensors)."""
+        return self.table.view(torch.uint8)[rows].view(self.table.dtype), self.table_scale.view(torch.uint8)[rows]
 
     def forward(self, streams: torch.Tensor, values: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
         """``streams`` [T, hc, D]; ``values``/``exponents`` this layer's rows as ``gather`` returns them."""

@@ -23,9 +23,11 @@ import re
 import torch
 from torch import nn
 
+from deepinfer import envs
 from deepinfer.core.forward_batch import ForwardBatch, scatter_rows
 from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
 from deepinfer.core.linear import cast_floating
+from deepinfer.logger import init_logger
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v41.attention import Attention, Selection
@@ -34,12 +36,27 @@ from deepinfer.models.deepseek_v41.engram import Engram, NgramHasher
 from deepinfer.models.deepseek_v41.layers import ComplexRotary, MixPredictor
 from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend, MHCBackend
 
+logger = init_logger(__name__)
+
 # Tensors kept in fp32 whatever the model dtype (as the release ships or computes them; the router multiplies its
 # weight in fp32)
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", "gate.bias", "gate.bias_vl", ".gate.weight", "compressor.wkv.weight",
                   "compressor.wgate.weight", "head.weight")
 _HC_NAMES = re.compile(r"(hc_attn|hc_ffn)\.(fn|base|scale)$")
 _ENGRAM_TABLE = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)$")
+
+
+def engram_tables_on_device(size: int, device: torch.device) -> bool:
+    """``DEEPINFER_ENGRAM_TABLES``: ``auto`` reads tables of ``size`` bytes on ``device`` when they take at most an
+    eighth of a CUDA device's memory; on a CPU the memory-mapped tables are already where the step runs."""
+    choice = envs.get().DEEPINFER_ENGRAM_TABLES
+    if choice != "auto":
+        return choice == "device"
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return size <= torch.cuda.get_device_properties(device).total_memory / 8
+    return False  # other accelerators: their memory is not asked here
 
 
 def keeps_fp32(name: str) -> bool:
@@ -61,10 +78,15 @@ class Block(nn.Module):
         self.engram = Engram(c, layer_id) if layer_id in c.engram_layer_ids else None
         self.mhc = mhc
 
-    def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection, features: list | None = None):
+    def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection, features: list | None = None,
+                hasher: NgramHasher | None = None):
         if self.engram is not None:
             i = self.engram.index
-            streams = self.engram(streams, batch.extras["engram_values"][:, i], batch.extras["engram_exponents"][:, i])
+            if "engram_values" in batch.extras:  # gathered on the host
+                values, exponents = batch.extras["engram_values"][:, i], batch.extras["engram_exponents"][:, i]
+            else:
+                values, exponents = self.engram.gather(hasher(batch.token_ids, batch.extras["engram_history"], i))
+            streams = self.engram(streams, values, exponents)
         if features is not None:  # what a DSpark draft reads from this layer: its input, streams averaged
             features.append(streams.mean(dim=1))
         attn_pre, post, comb = self.hc_attn(streams)
@@ -126,26 +148,41 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Engram tables are read in place from the checkpoint files."""
         return _ENGRAM_TABLE.match(name) is not None
 
-    def attach(self, extras: dict[str, torch.Tensor]) -> None:
-        """The Engram tables, memory-mapped and read row by row on the host."""
-        for layer in self.layers:
-            if layer.engram is not None:
-                i = self.config.engram_layer_ids[layer.engram.index]
-                layer.engram.table = extras[f"layers.{i}.engram.embed.weight"]
-                layer.engram.table_scale = extras[f"layers.{i}.engram.embed.scale"]
+    def attach(self, extras: dict[str, torch.Tensor], device: torch.device) -> None:
+        """The Engram tables, memory-mapped: copied to ``device`` when they fit (``DEEPINFER_ENGRAM_TABLES``), where
+        each step hashes and gathers its rows itself; otherwise gathered on the host with the step's inputs."""
+        engrams = [layer.engram for layer in self.layers if layer.engram is not None]
+        tables = {}
+        for engram in engrams:
+            i = self.config.engram_layer_ids[engram.index]
+            tables[engram] = extras[f"layers.{i}.engram.embed.weight"], extras[f"layers.{i}.engram.embed.scale"]
+        size = sum(t.numel() * t.element_size() for pair in tables.values() for t in pair)
+        on_device = engram_tables_on_device(size, device)
+        for engram, (table, scale) in tables.items():
+            engram.table, engram.table_scale = (table.to(device), scale.to(device)) if on_device else (table, scale)
+        if engrams:
+            self.ngram_hasher.to(device if on_device else torch.device("cpu"))
+            self.needs_host_tokens = not on_device
+            logger.info("Engram tables (%.2f GB): %s", size / 1e9,
+                        f"on {device}, hashed and gathered inside each step" if on_device else
+                        "on the host, gathered there for each step (the step waits for the previous one's tokens)")
 
     # -- caches -------------------------------------------------------------------------------
     def compressed_ratios(self) -> dict[int, int]:
         """Compression ratio -> pooling overlap (0: no compressor state is kept for it)."""
         return {r: (1 if r > 1 else 0) for r in set(self.config.compress_ratios) if r}
 
-    graph_blocker = None  # Engram rows arrive with the step's inputs (host_inputs)
+    graph_blocker = None  # Engram's inputs arrive with the step's inputs (host_inputs)
+    needs_host_tokens = True  # until ``attach`` places the Engram tables
 
     def host_inputs(self, token_ids: torch.Tensor, history: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-token inputs prepared on the host with the step's slot tensors: every Engram layer's table rows,
-        [T, layers, lookups, dim] FP8 values and [T, layers, lookups, dim/32] scale exponents."""
-        rows = self.ngram_hasher(token_ids, history)
-        values, exponents = zip(*(layer.engram.gather(rows[:, layer.engram.index])
+        """Per-token inputs prepared on the host with the step's slot tensors. Engram tables on the device: the
+        preceding token ids [T, N-1] (the step hashes them with its own tokens). On the host: every Engram layer's
+        table rows, [T, layers, lookups, dim] FP8 values and [T, layers, lookups, dim/32] scale exponents, hashed
+        from ``token_ids``, which must then hold values, not placeholders."""
+        if not self.needs_host_tokens:
+            return {"engram_history": history}
+        values, exponents = zip(*(layer.engram.gather(self.ngram_hasher(token_ids, history, layer.engram.index))
                                   for layer in self.layers if layer.engram is not None))
         return {"engram_values": torch.stack(values, 1), "engram_exponents": torch.stack(exponents, 1)}
 
@@ -196,7 +233,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 phases = {rotary: p[rows] for rotary, p in phases.items()}
                 selection = Selection(*(None if t is None else t[rows] for t in (selection.slots, selection.candidates)))
             wanted = features if i in self.feature_layers else None
-            streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, wanted)
+            streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, wanted,
+                                 self.ngram_hasher)
         hidden = self.mhc.collapse(streams, pre)
         if replay is not None:  # back in step order; rows the decoder skipped stay zero (they need no logits)
             hidden = scatter_rows(hidden, replay.rows, x.shape[0])
