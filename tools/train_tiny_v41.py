@@ -197,6 +197,11 @@ def build_corpus(include_tests: bool, max_bytes: int | None) -> list[tuple[str, 
     return docs
 
 
+def split_documents(docs: list[tuple[str, str, bool]], heldout: float) -> tuple[list, list]:
+    """(train, held-out) documents: a document is held out by a hash of its name, whatever the subset."""
+    return [d for d in docs if _bucket(d[0]) >= heldout], [d for d in docs if _bucket(d[0]) < heldout]
+
+
 def chat_text(doc: str) -> str:
     question, answer = json.loads(doc)
     return BOS_TOKEN + USER + question + ASSISTANT + END_THINK + answer + EOS_TOKEN
@@ -536,13 +541,28 @@ def dspark_acceptance(model, draft, capture, prompts: torch.Tensor, new_tokens: 
     }
 
 
+# (prompts, prompt tokens, continuation tokens) of the DSpark greedy acceptance measurement
+ACCEPTANCE_PROTOCOL = {"cuda": (32, 128, 96), "cpu": (2, 32, 16)}
+
+
+def acceptance_prompts(stream: torch.Tensor, n_prompts: int, prompt_len: int, device) -> torch.Tensor:
+    """Evenly spaced windows of the held-out stream."""
+    n_prompts = max(1, min(n_prompts, (stream.numel() - 1) // prompt_len))
+    starts = torch.arange(n_prompts) * ((stream.numel() - prompt_len) // n_prompts)
+    return stream[starts.unsqueeze(1) + torch.arange(prompt_len)].long().to(device)
+
+
 # ---------------------------------------------------------------------------------------------------- export
+def released_draft_tensors(draft) -> dict[str, torch.Tensor]:
+    """The DSpark stages ``mtp.*`` in the released layout and dtypes."""
+    drafted = draft.state_dict_adapter.to_hf({k: v.detach().cpu() for k, v in draft.state_dict().items()})
+    return {k: v for k, v in released_format(drafted).items() if k.startswith("mtp.")}
+
+
 def export(model, draft, config: DeepseekV41Config, out: Path) -> dict[str, torch.Tensor]:
     native = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     tensors = released_format(model.state_dict_adapter.to_hf(native))
-    drafted = draft.state_dict_adapter.to_hf({k: v.detach().cpu() for k, v in draft.state_dict().items()})
-    drafted = released_format(drafted)
-    tensors.update({k: v for k, v in drafted.items() if k.startswith("mtp.")})
+    tensors.update(released_draft_tensors(draft))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config_dict = config.to_dict()
     config_dict["dtype"] = "bfloat16"
@@ -619,8 +639,7 @@ def main() -> None:
 
     # -- corpus, held-out split, tokenizer
     docs = build_corpus(not args.no_tests, None if args.max_corpus_mb is None else int(args.max_corpus_mb * 1e6))
-    train_docs = [d for d in docs if _bucket(d[0]) >= args.heldout]
-    heldout_docs = [d for d in docs if _bucket(d[0]) < args.heldout]
+    train_docs, heldout_docs = split_documents(docs, args.heldout)
     corpus_bytes = sum(len(d[1].encode()) for d in docs)
     train_bytes = sum(len(d[1].encode()) for d in train_docs)
     log(f"corpus: {len(docs)} documents, {corpus_bytes / 1e6:.2f} MB ({len(heldout_docs)} held out)")
@@ -673,10 +692,8 @@ def main() -> None:
         samples.append({"prompt": prompt, "token_ids": new, "text": tokenizer.decode(new)})
         log(f"sample {prompt!r} -> {samples[-1]['text']!r}")
 
-    n_prompts, prompt_len, continuation = (32, 128, 96) if cuda else (2, 32, 16)
-    n_prompts = max(1, min(n_prompts, (heldout_stream.numel() - 1) // prompt_len))
-    starts = torch.arange(n_prompts) * ((heldout_stream.numel() - prompt_len) // n_prompts)
-    prompts = heldout_stream[starts.unsqueeze(1) + torch.arange(prompt_len)].long().to(device)
+    n_prompts, prompt_len, continuation = ACCEPTANCE_PROTOCOL[device.type]
+    prompts = acceptance_prompts(heldout_stream, n_prompts, prompt_len, device)
     acceptance = dspark_acceptance(model, draft, capture, prompts, continuation)
     log(f"DSpark greedy acceptance at draft length {config.text_config.dspark_block_size}: {acceptance}")
 
