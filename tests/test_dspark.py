@@ -54,7 +54,9 @@ def test_draft_logits_and_confidence_match_nemo():
     golden = {name: t.to(model.embed.weight.device) for name, t in golden.items()}
     drafter = llm.engine.speculator.drafter
     features = model.features
-    bound = 1e-4 if features.device.type == "cpu" else 1e-3
+    # 1e-3: the target's indexer keeps 4 compressed entries, a near-tie among which flips with the CPU's vector
+    # width (AVX512 vs AVX2: 2e-4 here), as in test_parity_v41
+    bound = 1e-3
     assert (features - golden["features"]).abs().max() <= 1e-4 * golden["features"].abs().max()
     window = model.config.window
     contexts, positions = [], []

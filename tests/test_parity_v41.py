@@ -7,7 +7,8 @@ greedy continuations (recomputed from scratch for every token). Here the engine 
 paged caches, incrementally.
 
 The released model rounds its caches to FP8/FP4, so float noise at the 1e-7 level (summation order) can move a
-value across a rounding edge; the fixture's prompts are ones where that does not happen at the 1e-4 level.
+value across a rounding edge or flip a near-tie in the indexer's top-k: the prompts were chosen where that does not
+happen with torch's AVX2 kernels (1e-6), but with its AVX512 kernels the 64-token one flips a tie (``LOGITS_BOUND``).
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ def _greedy(llm, prompts, steps):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+# The fixture's indexer keeps only the top 4 compressed entries, and on the 64-token golden prompt two of them are
+# near-tied at layer 6: torch's AVX512 kernels pick the other one than its AVX2 kernels and NeMo (measured: relative
+# error 1e-6 with ATEN_CPU_CAPABILITY=avx2, 3.2e-4 with avx512, the jump appearing at layer 6's attention). A wrong
+# architecture gives errors of order 1e-1.
+LOGITS_BOUND = 1e-3
+
+
 def test_prefill_logits_match_reference(llm, goldens):
     for gold in goldens:
         ours = prefill_logits(llm, gold["prompt"])
         rel = float((ours - gold["logits"]).norm() / gold["logits"].norm())
-        assert rel < 1e-4, f"prompt of {len(gold['prompt'])} tokens: relative error {rel:.2e}"
+        assert rel < LOGITS_BOUND, f"prompt of {len(gold['prompt'])} tokens: relative error {rel:.2e}"
 
 
 def test_greedy_alone_matches_reference(llm, goldens):

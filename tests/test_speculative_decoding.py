@@ -325,7 +325,9 @@ def test_verification_steps_padded_for_cuda_graphs_match(which, tiny_v4_checkpoi
     logits = engine.graphs.logits
     engine.graphs.logits = lambda scheduled, **kw: padded_steps.append(len(scheduled)) or logits(scheduled, **kw)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    _assert_same(outputs, expected)
+    # V4.1's indexer keeps the top 4 compressed entries here, and the padded step's other summation order can flip
+    # a near-tie among them (as in test_cuda_graphs' padded decode): the tokens stay the same, logprobs move ~1e-3
+    _assert_same(outputs, expected, logprob_tolerance=1e-4 if which == "v4" else 2e-3)
     assert len(padded_steps) >= 5 and engine.speculator.stats.num_accepted_tokens > 0
 
 
