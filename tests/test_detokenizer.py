@@ -72,15 +72,24 @@ def test_load_tokenizer_names_the_directory(tmp_path):
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_equals_full_decode_on_random_ids(tokenizer, skip_special_tokens):
+@pytest.mark.parametrize("read_text", ["at the end", "every step"])
+def test_incremental_equals_full_decode_on_random_ids(tokenizer, skip_special_tokens, read_text):
+    """Without stop strings the ids wait until the text is read: read at the end (``generate``) or after every step
+    (``LLM.stream``), the text is the full decode's, and what was read before is a prefix of it."""
     rng = random.Random(0)
     for _ in range(200):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
         detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-        deltas, stop = stream(detokenizer, ids, chunk=rng.randrange(1, 4))
+        chunk, seen = rng.randrange(1, 4), []
+        for start in range(0, len(ids), chunk):
+            assert detokenizer.update(ids[start:start + chunk]).stop_string is None
+            if read_text == "every step":
+                seen.append(detokenizer.text)
+        detokenizer.finish()
         expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        assert "".join(deltas) == detokenizer.text == expected
-        assert stop is None
+        assert detokenizer.text == expected
+        assert all(expected.startswith(text) for text in seen)
+        assert seen == sorted(seen, key=len)
 
 
 def test_multibyte_text_never_emits_partial_characters(tokenizer):
@@ -158,3 +167,29 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
     kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
     assert "".join(stream(skipped, ids)[0]) == "plananswer"
     assert "".join(stream(kept, ids)[0]) == "<think>plan</think>answer"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_ids_to_text_matches_decode_and_respects_an_overridden_decode(tokenizer, skip_special_tokens):
+    """The Rust fast path gives what ``decode`` gives (the embedded model's tokenizer too), and a tokenizer class
+    with its own ``_decode`` keeps it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from deepinfer.core.model_source import EMBEDDED_MODEL_DIR
+    from deepinfer.core.tokenizer import ids_to_text
+
+    rng = random.Random(1)
+    for tok in (tokenizer, load_tokenizer(EMBEDDED_MODEL_DIR)):
+        decode = ids_to_text(tok, skip_special_tokens)
+        for _ in range(100):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 30))]
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip_special_tokens,
+                                             clean_up_tokenization_spaces=False)
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=tokenizer.backend_tokenizer)
+    ids = encode(tokenizer, "hello world")
+    assert ids_to_text(shouting, skip_special_tokens)(ids) == "HELLO WORLD"

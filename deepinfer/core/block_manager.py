@@ -72,33 +72,37 @@ class BlockManager:
         table = tables.get(kind.name, [])
         first = kind.first_needed(start) // self.block_size
         last = -(-end // self.block_size)
+        if last <= len(table) and FREED not in table[first:last]:  # a decode step inside its blocks: most steps
+            return []
         return [j for j in range(first, last) if j >= len(table) or table[j] == FREED]
 
-    def can_allocate(self, tables, start: int, end: int) -> bool:
-        return all(
-            len(self._missing(tables, kind, start, end)) <= self.allocators[kind.name].num_available()
-            for kind in self.kinds
-        )
-
-    def allocate(self, tables: dict[str, list[int]], start: int, end: int) -> None:
-        """Give ``tables`` blocks for positions [start, end); call ``can_allocate`` first."""
-        for kind in self.kinds:
+    def reserve(self, tables: dict[str, list[int]], start: int, end: int) -> bool:
+        """Give ``tables`` the blocks positions [start, end) lack, if every kind has enough left; otherwise take
+        nothing and return False."""
+        missing = [(kind, m) for kind in self.kinds if (m := self._missing(tables, kind, start, end))]
+        if any(len(m) > self.allocators[kind.name].num_available() for kind, m in missing):
+            return False
+        for kind, blocks in missing:
             table = tables.setdefault(kind.name, [])
             allocator = self.allocators[kind.name]
-            for j in self._missing(tables, kind, start, end):
+            for j in blocks:
                 table.extend([FREED] * (j + 1 - len(table)))
                 table[j] = allocator.take()
+        return True
 
     def trim(self, tables: dict[str, list[int]], num_computed: int) -> None:
-        """Release blocks whose rows no future step reads."""
+        """Release blocks whose rows no future step reads. A table's released blocks are a prefix of it (blocks are
+        released from the oldest, and a cached prefix is attached from the first block its kind needs), so the
+        walk goes back from the last block to release and stops at the first one already released."""
         for kind in self.kinds:
             if kind.keep_all:
                 continue
             table, allocator = tables.get(kind.name, []), self.allocators[kind.name]
-            for j in range(min(kind.first_needed(num_computed) // self.block_size, len(table))):
-                if table[j] != FREED:
-                    allocator.release(table[j])
-                    table[j] = FREED
+            j = min(kind.first_needed(num_computed) // self.block_size, len(table)) - 1
+            while j >= 0 and table[j] != FREED:
+                allocator.release(table[j])
+                table[j] = FREED
+                j -= 1
 
     def free(self, tables: dict[str, list[int]]) -> None:
         for kind_name, table in tables.items():

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from deepinfer.core.slots import SlotLayout, padded_slots, slot_of, window_positions
@@ -203,7 +204,14 @@ def _rows_of(meta: CompressedMeta, rows: torch.Tensor) -> CompressedMeta:
 
 
 def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
     return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    """A flat int64 tensor of a list, through numpy: several times faster than ``torch.tensor`` on Python ints."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 class ForwardBatchBuilder:
@@ -272,30 +280,37 @@ class ForwardBatchBuilder:
 
     def _padded_decode_inputs(self, scheduled, padded: PaddedShape) -> StepInputs:
         """``padded.pad(self.inputs(scheduled))`` for a decode step (or a verification step: ``tokens_per_request``
-        rows per request, ``real_rows`` says which hold its tokens), built as padded lists and one tensor each:
-        every replayed step comes here, and at small batches the generic path's few dozen small tensor ops were a
-        good part of the host's step."""
+        rows per request, ``real_rows`` says which hold its tokens), built as flat padded lists and one tensor each:
+        every replayed step comes here, and at batch 64 building the inputs was the largest part of the host's
+        step."""
         q, blocks = padded.tokens_per_request, padded.blocks
         requests = padded.num_tokens // q
         token_ids, positions = [], []
         for r, start, n in scheduled:
             token_ids += r.token_ids[start:start + n] + [0] * (q - n)
             positions += range(start, start + q)
-        pad = padded.num_tokens - len(token_ids)
+        pad = [0] * (padded.num_tokens - len(token_ids))
         tables = {}
         for kind in self.layout.rows_per_block:
-            rows = [list(r.tables.get(kind, ())[:blocks]) for r, _, _ in scheduled]
-            rows = [row + [-1] * (blocks - len(row)) for row in rows] + [[-1] * blocks] * (requests - len(scheduled))
-            tables[kind] = torch.tensor(rows, dtype=torch.int64)
+            flat = []
+            for r, _, _ in scheduled:
+                row = r.tables.get(kind, ())[:blocks]
+                flat += row
+                flat += [-1] * (blocks - len(row))
+            flat += [-1] * (blocks * (requests - len(scheduled)))
+            tables[kind] = _int64(flat).view(requests, blocks)
         extras = {}
         if self.token_history:  # computed for the real tokens; padded rows are ignored (zeros)
-            real = self.host_inputs(torch.tensor([t for r, s, n in scheduled for t in r.token_ids[s:s + n]]),
+            real = self.host_inputs(_int64([t for r, s, n in scheduled for t in r.token_ids[s:s + n]]),
                                     self._history(scheduled))
-            rows = real_rows(scheduled, q)
-            extras = {name: scatter_rows(t, rows, padded.num_tokens) for name, t in real.items()}
+            if q == 1:  # the real rows come first
+                extras = {name: _pad_rows(t, padded.num_tokens, 0) for name, t in real.items()}
+            else:
+                rows = real_rows(scheduled, q)
+                extras = {name: scatter_rows(t, rows, padded.num_tokens) for name, t in real.items()}
         return StepInputs(
-            token_ids=torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
-            positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
+            token_ids=_int64(token_ids + pad),
+            positions=_int64(positions + pad),
             owner=torch.arange(requests).repeat_interleave(q),
             logits_rows=torch.arange(padded.num_tokens),
             tables=tables,
@@ -312,13 +327,15 @@ class ForwardBatchBuilder:
         return torch.tensor([[*blocks, *(-1,) * (width - len(blocks))] for blocks in rows], dtype=torch.int64)
 
     def _history(self, scheduled) -> torch.Tensor:
+        """[T, h]: the ``h`` ids before each scheduled token, -1 before its sequence's start; one tensor from
+        lists (a tensor per request cost a decode step at batch 64 more than the rest of its inputs)."""
         h = self.token_history
-        windows = []
+        flat = []
         for request, start, n in scheduled:
-            before = max(0, h - start)  # positions before the sequence start
-            ids = [-1] * before + request.token_ids[start - h + before : start + n - 1]
-            windows.append(torch.tensor(ids, dtype=torch.int64).unfold(0, h, 1))
-        return torch.cat(windows)
+            ids = request.token_ids
+            for p in range(start, start + n):
+                flat += ids[p - h:p] if p >= h else [-1] * (h - p) + ids[:p]
+        return _int64(flat).view(-1, h)
 
     # -- wherever the inputs are (the device; inside a captured graph) --------------------------
     def derive(self, inputs: StepInputs) -> ForwardBatch:

@@ -54,14 +54,13 @@ class Scheduler:
                 request.drop_drafts(keep=max(0, budget - (request.num_pending - request.num_drafts)))
             count = min(request.num_pending, budget)
             end = request.num_computed + count
-            while not self.blocks.can_allocate(request.tables, request.num_computed, end):
+            while not self.blocks.reserve(request.tables, request.num_computed, end):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self.blocks.allocate(request.tables, request.num_computed, end)
                 scheduled.append((request, request.num_computed, count))
                 budget -= count
                 index += 1
@@ -73,7 +72,7 @@ class Scheduler:
             end = request.num_computed + count
             if count < request.num_pending and not self.limits.enable_chunked_prefill:
                 break
-            if not self.blocks.can_allocate(request.tables, request.num_computed, end):
+            if not self.blocks.reserve(request.tables, request.num_computed, end):
                 if not self.running and not scheduled:
                     raise RuntimeError(
                         f"request {request.request_id} needs more cache blocks than the whole cache has; "
@@ -81,7 +80,6 @@ class Scheduler:
                     )
                 break
             self.waiting.popleft()
-            self.blocks.allocate(request.tables, request.num_computed, end)
             request.status = Status.RUNNING
             self.running.append(request)
             scheduled.append((request, request.num_computed, count))
@@ -113,7 +111,8 @@ class Scheduler:
         """Record progress, offer full blocks to the prefix cache, release what is no longer read."""
         for request, start, count in scheduled:
             request.num_computed = start + count
-            if self.blocks.prefix_caching:
+            # only a step that filled a block has one to offer: the others (most decode steps) skip the table walk
+            if self.blocks.prefix_caching and request.num_computed // self.blocks.block_size > start // self.blocks.block_size:
                 num_full = request.num_computed // self.blocks.block_size
                 hashes = self.blocks.block_hashes(request.token_ids, num_full, request.block_hashes)
                 # a replayed prefill's window rows are not what a full one computes (its decoder layers skipped the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
@@ -52,6 +52,17 @@ def _transformers_errors_only():
         transformers_logging.set_verbosity(verbosity)
 
 
+def ids_to_text(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``tokenizer.decode`` without cleaning up spaces, as a function of the ids. A fast tokenizer whose class keeps
+    transformers' own ``_decode`` decodes straight through its Rust tokenizer, which is all that ``_decode`` does
+    then: detokenizing runs twice per generated token, and transformers' argument handling around it took 4/5 of
+    its time."""
+    if isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
 class DetokenizerStep(NamedTuple):
     text_delta: str  # text that became final in this step
     stop_string: str | None  # the stop string that ended the sequence, if one did
@@ -70,10 +81,9 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = (
-        "_tokenizer",
+        "_decode",
         "_stop",
         "_include_stop_str",
-        "_skip_special_tokens",
         "_token_ids",
         "_read_offset",
         "_text",
@@ -90,10 +100,9 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._decode = ids_to_text(tokenizer, skip_special_tokens)
         self._stop = tuple(stop)
         self._include_stop_str = include_stop_str_in_output
-        self._skip_special_tokens = skip_special_tokens
         # _token_ids = context ids, already text (or prompt), re-decoded only so that the pending
         # ids after them decode with the same neighbours as in a full decode; then pending ids.
         self._token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -104,7 +113,10 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """Generated text released so far (everything after ``finish`` or a stop string)."""
+        """Generated text released so far (everything after ``finish`` or a stop string); ids whose decoding
+        waited (no stop strings to search) are decoded now."""
+        if not self._finished and len(self._token_ids) > self._read_offset:
+            self._advance(self._decode_pending(final=False), final=False)
         return self._text[: self._released]
 
     @property
@@ -112,10 +124,14 @@ class IncrementalDetokenizer:
         return self._finished
 
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerStep:
-        """Add the ids generated in one step; return the newly final text and any stop string hit."""
+        """Add the ids generated in one step; return the newly final text and any stop string hit. Without stop
+        strings nothing needs the text yet: the ids wait, decoded when ``text`` is read or at ``finish`` (two
+        decodes per generated token were most of a large decode step's output processing)."""
         if self._finished:
             raise RuntimeError("the sequence already ended; no more tokens can be added")
         self._token_ids.extend(new_token_ids)
+        if not self._stop:
+            return DetokenizerStep("", None)
         decoded = self._decode_pending(final=False)
         return self._advance(decoded, final=False)
 
@@ -136,11 +152,6 @@ class IncrementalDetokenizer:
         del self._token_ids[: self._read_offset]
         self._read_offset = len(self._token_ids)
         return full_text[len(context_text) :]
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            token_ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
-        )
 
     def _advance(self, decoded: str, final: bool) -> DetokenizerStep:
         searched_from = len(self._text)

@@ -13,7 +13,8 @@ def prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """Logits [len(token_ids), vocab] of one uncached prefill through the engine's caches."""
     engine = llm.engine
     request = Request("probe", 0, None, list(token_ids), SamplingParams(), ())
-    engine.blocks.allocate(request.tables, 0, len(token_ids))
+    if not engine.blocks.reserve(request.tables, 0, len(token_ids)):
+        raise RuntimeError(f"no cache blocks left for a {len(token_ids)}-token probe")
     try:
         batch = engine.batch_builder.build([(request, 0, len(token_ids))])
         streams = engine.model(batch, engine.cache)
