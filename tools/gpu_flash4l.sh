@@ -9,11 +9,12 @@
 # kernels (tools/gpu_kernels.py, tools/gpu_glue.py), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
-# (batch 64 and 256, an 8192-token prefill against HF), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
+# (batch 64 and 256 and an 8192-token prefill, against HF), prefill (tools/profile_prefill.py on flash4L at PREFILL_LENS
+# tokens, and FlashMLA's sparse prefill against ours: tools/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
-# TESTS narrows `tests` to given files; IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap and
-# HOST_PROFILE=0 its host profile. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
+# TESTS narrows `tests` to given files; IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
+# its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz.
 set -uo pipefail
 sections=",$1,"
@@ -116,16 +117,16 @@ if has idle; then  # issue 7: device idle share between replayed decode steps, w
     for m in ${IDLE_MODELS:-/tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1}; do
         for b in ${IDLE_BATCHES:-1 64}; do
             for a in ${IDLE_ASYNC:-1 0}; do
-                [[ $a == 0 && $m != /tmp/flash4L ]] && continue  # without overlap: flash4L only (time)
                 dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
+                trace=--trace; [[ ${TRACE:-1} == 0 ]] && trace=
                 stamp "idle $m b$b async=$a"
                 DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 python tools/profile_decode.py $m $dummy --graphs --steps 48 --top ${TOP:-30} \
-                    --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle.jsonl"
+                    $trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle.jsonl"
             done
         done
     done
     stamp "host profile flash4L b1"  # where the host's step goes at batch 1
-    [[ ${HOST_PROFILE:-1} == 1 ]] && timeout 200 python tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
+    [[ ${HOST_PROFILE:-0} == 1 ]] && timeout 200 python tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
         2>&1 | grep -v INFO > "$out/host_flash4L_b1.txt"
 fi
 if has small || has b1; then  # b1: the two headline figures only
@@ -142,9 +143,18 @@ if has small; then
     DEEPINFER_ASYNC_SCHEDULING=0 latency b1_sync --batch-size 1 --input-len 512 --output-len 64
     DEEPINFER_ASYNC_SCHEDULING=0 latency b16_sync --batch-size 16 --input-len 512 --output-len 64
 fi
+if has prefill; then  # where an eager prefill's device time goes, and FlashMLA's sparse prefill against ours
+    stamp "prefill kernels"
+    timeout 120 python tools/gpu_kernels.py --prefill 2>&1 | tee "$out/kernels_prefill.json" | tail -24
+    for n in ${PREFILL_LENS:-8192}; do
+        stamp "profile prefill $n"
+        timeout 240 python tools/profile_prefill.py /tmp/flash4L --dummy --input-len $n 2>&1 | grep -v INFO | tail -1 \
+            | tee -a "$out/prefill_profile.jsonl"
+    done
+fi
 if has large; then
-    latency b64 --batch-size 64 --input-len 512 --output-len 64
-    latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
+    latency b64 --batch-size 64 --input-len 512 --output-len 64 --compare-hf
+    latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192 --compare-hf
     latency prefill8192 --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --compare-hf
 fi
 if has invariant; then  # issue 10: batch-invariant mode on flash4L: one output among random batches, and its cost
@@ -160,7 +170,7 @@ if has invariant; then  # issue 10: batch-invariant mode on flash4L: one output 
 fi
 if has spec; then  # issue 8: DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
     stamp "speculative"
-    timeout 400 "${bench[@]}" speculative --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-sizes 1 32 \
+    timeout 400 "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes 1 32 \
         --output-len 128 --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
     python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in ('without_drafts', 'fixed_length', 'confidence_scheduled')]" "$out/speculative.json"
 fi

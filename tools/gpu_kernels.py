@@ -1,6 +1,6 @@
 """Kernel-level figures of the NVIDIA backend at DeepSeek-V4-Flash shapes (issue 6), printed as JSON.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8]
+    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8 | --prefill]
 
 - Sparse attention, decode: 64 heads x 512, a 128-row window plus 512 indexer-selected compressed entries per
   token, bf16 pools; batch 1, 16, 128 (FlashMLA's H200 time at 128 is 51.8 µs, kernel-anchors §1), with the
@@ -13,6 +13,8 @@
   dequantized to bf16, so the outputs are compared too); DeepGEMM's masked grouped GEMM on the experts shape (FP8
   and bf16) and its FP8 GEMM against our Triton block-FP8 GEMM at projection shapes. A failing call is recorded
   with its error, not skipped.
+- ``--prefill``: sparse attention over a prefill's tokens, ours against FlashMLA's sparse prefill (bf16 rows), both
+  checked against an fp32 reference, and which base FlashMLA's lse is in.
 Inputs are fresh random values. Each call is captured in a CUDA graph and its replays timed (median of
 triton.testing.do_bench, L2 flushed between runs), so host launch overhead is not counted, as in the engine.
 """
@@ -20,6 +22,7 @@ triton.testing.do_bench, L2 flushed between runs), so host launch overhead is no
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 import triton.testing
@@ -229,10 +232,71 @@ def triton_fp8_attention() -> list[dict]:
     return rows
 
 
+def _reference_attention(q, kv, idx, sinks, scale):
+    """fp32 sparse attention over one bf16 pool: outputs [T, H, D] with sinks, and the natural-log lse [T, H]."""
+    rows = kv[idx.clamp(min=0)].float()  # [T, K, D]
+    logits = torch.einsum("thd,tkd->thk", q.float(), rows) * scale
+    logits = logits.masked_fill((idx < 0)[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("thk,tkd->thd", torch.softmax(logits, dim=-1), rows)
+    return out * torch.sigmoid(lse - sinks)[..., None], lse
+
+
+def _sparse_prefill_call():
+    """FlashMLA's sparse prefill (bf16 rows, one pool) through whichever entry point build.sh provisioned."""
+    try:
+        import flash_mla
+
+        return lambda q, kv, idx, scale, sinks: flash_mla.flash_mla_sparse_fwd(q, kv, idx, scale, 512, sinks)
+    except ImportError:
+        import deepinfer_flashmla._flashmla_C  # noqa: F401
+
+        return lambda q, kv, idx, scale, sinks: torch.ops._flashmla_C.sparse_prefill_fwd(
+            q, kv, idx, scale, 512, sinks, None, None)
+
+
+def flashmla_prefill_peer() -> list[dict]:
+    """Sparse attention over a prefill's tokens (64 heads x 512, 128 window + 512 selected rows each, bf16): ours
+    against FlashMLA's ``sparse_prefill_fwd`` on one pool, both against an fp32 reference; and the base of
+    FlashMLA's lse (natural or 2), found by comparing it with the reference's (what merging two pools' partial
+    results needs)."""
+    heads, dim, pool_rows, scale = 64, 512, 1 << 16, 512**-0.5
+    call = _sparse_prefill_call()
+    backend = TritonAttention()
+    rows = []
+    for tokens in (512, 4096):
+        def one() -> dict:
+            q = torch.randn(tokens, heads, dim, dtype=torch.bfloat16, device=DEVICE)
+            kv = torch.randn(pool_rows, dim, dtype=torch.bfloat16, device=DEVICE)
+            idx = torch.randint(0, pool_rows, (tokens, 640), device=DEVICE)
+            idx[:, -37:] = -1  # invalid entries, as a short prompt's lists have
+            idx[0] = -1  # a token with no valid entry (an early token's compressed list): compared apart
+            sinks = torch.randn(heads, device=DEVICE)
+            ref, ref_lse = _reference_attention(q[1:], kv, idx[1:], sinks, scale)
+            idx32 = idx.int().unsqueeze(1)
+            out, max_logits, lse = call(q, kv.unsqueeze(1), idx32, scale, sinks)
+            ours = backend.sparse_attention(q, [(kv, idx)], sinks, scale)
+            empty = {"out_absmax": float(out[0].float().abs().max()), "lse": lse[0, :2].tolist(),
+                     "max_logits": max_logits[0, :2].tolist(), "triton_out_absmax": float(ours[0].float().abs().max())}
+            out, lse, ours = out[1:], lse[1:], ours[1:]
+            peak = ref.abs().max()
+            return {"tokens": tokens, "token_without_entries": empty,
+                    "flashmla_us": round(_graph_us(lambda: call(q, kv.unsqueeze(1), idx32, scale, sinks)), 1),
+                    "triton_us": round(_graph_us(lambda: backend.sparse_attention(q, [(kv, idx)], sinks, scale)), 1),
+                    "flashmla_err_rel": float((out.float() - ref).abs().max() / peak),
+                    "triton_err_rel": float((ours.float() - ref).abs().max() / peak),
+                    "lse_vs_natural": float((lse.float() - ref_lse).abs().max()),
+                    "lse_vs_base2": float((lse.float() - ref_lse / math.log(2)).abs().max())}
+        rows.append(_attempt(one))
+    return rows
+
+
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["--triton-fp8"]:
+    if sys.argv[1:] == ["--prefill"]:
+        print(json.dumps({"flashmla_prefill": flashmla_prefill_peer()}, indent=1))
+    elif sys.argv[1:] == ["--triton-fp8"]:
         print(json.dumps({"triton_fp8_attention": triton_fp8_attention()}, indent=1))
     else:
         print(json.dumps({"device": torch.cuda.get_device_name(), "deepseek_kernels": deepseek_kernels.report(),

@@ -28,14 +28,17 @@ class StepMetrics:
     outputs: float = 0.0
     draft: float = 0.0
     device: float = 0.0
+    device_steps: int = 0
 
     def reset(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, 0 if f.name == "steps" else 0.0)
+            setattr(self, f.name, 0 if f.name.endswith("steps") else 0.0)
 
     def per_step_ms(self) -> dict[str, float]:
-        steps = max(self.steps, 1)
-        return {f.name: getattr(self, f.name) * 1e3 / steps for f in fields(self) if f.name != "steps"}
+        """Host phases per step; ``device`` per step that was timed on the device."""
+        per_step = {f.name: getattr(self, f.name) * 1e3 / max(self.steps, 1) for f in fields(self)
+                    if not f.name.endswith("steps")}
+        return per_step | {"device": self.device * 1e3 / max(self.device_steps, 1)}
 
 
 @dataclass(slots=True)
@@ -81,4 +84,5 @@ class StepClock:
         if done is not None:
             done.synchronize()
             self.metrics.device += started.elapsed_time(done) / 1e3
+            self.metrics.device_steps += 1
         self.lap("wait")
