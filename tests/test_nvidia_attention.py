@@ -249,6 +249,40 @@ def test_flashmla_is_handed_both_caches_with_padded_int32_indices():
     assert torch.allclose(ours.float(), reference.float(), atol=1e-2, rtol=0)
 
 
+def _prefill_stand_in(q, kv, indices, scale, sinks):
+    """``flash_mla_sparse_fwd``'s contract through fp32 torch: outputs normalized over the valid keys (times the
+    sinks' factor when given), natural-log lse, +inf and zeros for a query without a valid key."""
+    assert indices.dtype == torch.int32 and indices.shape[-1] % 128 == 0 and kv.shape[1] == 1
+    assert q.dtype == kv.dtype == torch.bfloat16 and (sinks is None or sinks.dtype == torch.float32)
+    idx = indices[:, 0].long()
+    rows = kv[:, 0][idx.clamp(min=0)].float()
+    logits = torch.einsum("thd,tkd->thk", q.float(), rows) * scale
+    logits = logits.masked_fill((idx < 0)[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("thk,tkd->thd", torch.softmax(logits, dim=-1).nan_to_num(0.0), rows)
+    if sinks is not None:
+        out = out * torch.sigmoid(lse - sinks)[..., None]
+    return out.to(torch.bfloat16), lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+@pytest.mark.parametrize("widths", [(30, 9), (40,)])
+def test_flashmla_prefill_sources_are_merged_by_their_lse(widths, monkeypatch):
+    """The wiring only (FlashMLA itself is tested on a GPU): one call per pool, the sinks applied by a lone source's
+    call or by the merge of two; queries with no key in one source, or in both, included."""
+    import deepinfer_nvidia.sparse_attention as module
+
+    monkeypatch.setattr(module, "FLASHMLA_PREFILL_MIN_TOKENS", 1)
+    q, sources, sinks = _attention_inputs(4, 64, 512, widths, 50, torch.bfloat16, seed=11)
+    sources[0][1][1] = -1  # token 1 sees only the second source, token 2 (tokens // 2) nothing at all
+    backend = TritonAttention(flash_mla_prefill=_prefill_stand_in)
+    assert module._flashmla_prefill_serves(q, sources)
+    ours = backend.sparse_attention(q, sources, sinks, 0.05)
+    reference = REFERENCE.sparse_attention(q, sources, sinks, 0.05)
+    assert torch.all(ours[2] == 0)
+    assert torch.all((ours.float() - reference.float()).abs() <= _tolerance(reference, torch.bfloat16))
+    assert not module._flashmla_prefill_serves(q.float(), [(p.float(), i) for p, i in sources])  # bf16 only
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the reference's row with no state: 0 / 0
 @pytest.mark.parametrize("ratio, overlap", [(4, 2), (16, 1)])
 def test_compress_pool_matches_the_reference(ratio, overlap):

@@ -31,12 +31,13 @@ def test_triton_only_at_run_time(monkeypatch):
     def reload():
         envs.reload()
         dk.flash_mla.cache_clear()
+        dk.flash_mla_prefill.cache_clear()
         dk.deep_gemm.cache_clear()
 
     monkeypatch.setenv("DEEPINFER_KERNELS", "triton")
     reload()
     try:
-        assert dk.flash_mla()[0] is None and dk.deep_gemm()[0] is None
+        assert dk.flash_mla()[0] is None and dk.flash_mla_prefill()[0] is None and dk.deep_gemm()[0] is None
         assert dk.report().count("DEEPINFER_KERNELS=triton") == 2
     finally:
         monkeypatch.undo()
@@ -63,3 +64,35 @@ def test_flashmla_sparse_decode_matches_the_reference(batch):
     expected = TorchAttention().sparse_attention(
         q[:, 0], [(cache, indices[:, 0].long().cuda()), (window_cache, window_indices[:, 0].long().cuda())], sinks, scale)
     assert (ours[:, 0].float() - expected.float()).abs().max() <= 2e-2 * expected.float().abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or dk.flash_mla_prefill()[0] is None,
+                    reason="needs FlashMLA on a GPU")
+@pytest.mark.parametrize("tokens", [256, 1000])
+def test_flashmla_sparse_prefill_serves_the_backend_like_the_reference(tokens):
+    """The backend's calls of 256+ tokens over bf16 pools go to FlashMLA's sparse prefill (one call per pool, merged
+    by their lse), on V4-Flash shapes; a query with no compressed entry and one with no key at all included."""
+    from deepinfer_nvidia.sparse_attention import TritonAttention
+
+    g = torch.Generator().manual_seed(tokens)
+    heads, pool_rows = 64, 4096
+    q = torch.randn(tokens, heads, 512, generator=g).to(torch.bfloat16).cuda()
+    sources = []
+    for width in (128, 512):
+        pool = torch.randn(pool_rows, 512, generator=g).to(torch.bfloat16).cuda()
+        idx = torch.randint(0, pool_rows, (tokens, width), generator=g)
+        sources.append((pool, idx.masked_fill(torch.rand(tokens, width, generator=g) < 0.2, -1).cuda()))
+    sources[1][1][0] = -1
+    sources[0][1][1] = -1
+    sources[1][1][1] = -1
+    sinks = torch.randn(heads, generator=g).cuda()
+    torch.full((1 << 26,), float("nan"), device="cuda")  # NaNs where the next buffers come from
+    ours = TritonAttention(flash_mla_prefill=dk.flash_mla_prefill()[0]).sparse_attention(q, sources, sinks, 0.05)
+    expected = TorchAttention().sparse_attention(q, sources, sinks, 0.05)
+    assert torch.all(ours[1] == 0) and torch.isfinite(ours).all()
+    assert (ours.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()
+    for width in (128, 640):  # a lone source: FlashMLA applies the sinks itself
+        lone = [(sources[1][0], torch.cat([sources[1][1], sources[0][1]], 1)[:, :width])]
+        ours = TritonAttention(flash_mla_prefill=dk.flash_mla_prefill()[0]).sparse_attention(q, lone, sinks, 0.05)
+        expected = TorchAttention().sparse_attention(q, lone, sinks, 0.05)
+        assert (ours.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()

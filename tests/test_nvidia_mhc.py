@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidi
 
 from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand  # noqa: E402
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC  # noqa: E402
-from deepinfer_nvidia.mhc import TritonMHC  # noqa: E402
+from deepinfer_nvidia.mhc import GEMM_TOKENS, TritonMHC  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -49,16 +49,22 @@ def _mix_inputs(tokens: int, n: int, width: int, dtype: torch.dtype, seed: int) 
     return [t.to(DEVICE) for t in (streams, fn, base, scale)]
 
 
+# the default, and 1: every call's projection is the prefill's one GEMM
+GEMM_PATHS = [GEMM_TOKENS, 1]
+
+
+@pytest.mark.parametrize("gemm_tokens", GEMM_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, n, width", [(1, 4, 100), (37, 4, 100), (5, 2, 300), (17, 2, 64), (0, 4, 64),
                                               (2, 4, 2100)])
-def test_weights_match_the_reference(tokens, n, width, dtype):
+def test_weights_match_the_reference(tokens, n, width, dtype, gemm_tokens):
     """The projection split over K (n * width: no multiple of the split, or two column blocks a split at 2100),
-    summed with the Sinkhorn in a second launch, against ``core.ops.mhc_logits`` and the reference coefficients."""
+    or one GEMM, summed with the Sinkhorn in a second launch, against ``core.ops.mhc_logits`` and the reference
+    coefficients."""
     streams, fn, base, scale = _mix_inputs(tokens, n, width, dtype, seed=tokens * 11 + width)
     if DEVICE.type == "cuda":
         torch.full((1 << 24,), float("nan"), device=DEVICE)  # freed at once: the outputs below reuse poisoned memory
-    ours = TritonMHC().weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6)
+    ours = TritonMHC(gemm_tokens).weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6)
     reference = TorchMHC().weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6)
     for a, b in zip(ours, reference):
         assert a.shape == b.shape and a.dtype == torch.float32
@@ -68,28 +74,31 @@ def test_weights_match_the_reference(tokens, n, width, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_weights_do_not_depend_on_its_batch(dtype):
     """Bitwise, alone or among 37 tokens (three token blocks), first in its block or not: the K-splits follow the
-    width, not the token count."""
+    width, not the token count. Only without the prefill's GEMM, which batch-invariant mode turns off."""
+    assert TritonMHC(gemm_tokens=None).batch_invariant and not TritonMHC().batch_invariant
+    mhc = TritonMHC(gemm_tokens=None)
     streams, fn, base, scale = _mix_inputs(37, 4, 100, dtype, seed=3)
-    batched = TritonMHC().weights(streams, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    batched = mhc.weights(streams, fn, base, scale, 4, 20, 1e-6, 1e-6)
     for token in (0, 20):
-        alone = TritonMHC().weights(streams[token:token + 1], fn, base, scale, 4, 20, 1e-6, 1e-6)
+        alone = mhc.weights(streams[token:token + 1], fn, base, scale, 4, 20, 1e-6, 1e-6)
         assert all(torch.equal(a[0], b[token]) for a, b in zip(alone, batched)), token
 
 
+@pytest.mark.parametrize("gemm_tokens", GEMM_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, n, width, normed", [(1, 4, 100, True), (37, 4, 100, True), (5, 2, 300, False),
                                                       (0, 4, 64, True), (2, 4, 2100, True)])
-def test_sublayer_input_is_the_weights_then_the_collapse(tokens, n, width, normed, dtype):
+def test_sublayer_input_is_the_weights_then_the_collapse(tokens, n, width, normed, dtype, gemm_tokens):
     """One launch for the coefficients and the collapse (and the input norm) per token, against the reference's
     ``weights`` then ``collapse``."""
     streams, fn, base, scale = _mix_inputs(tokens, n, width, dtype, seed=tokens * 5 + width)
     weight = torch.rand(width, generator=torch.Generator().manual_seed(width)).add(0.5).to(DEVICE) if normed else None
     if DEVICE.type == "cuda":
         torch.full((1 << 24,), float("nan"), device=DEVICE)  # freed at once: the outputs below reuse poisoned memory
-    x, post, comb = TritonMHC().sublayer_input(streams, fn, base, scale, n, 20, 1e-6, 1e-6, weight, 1e-6)
+    x, post, comb = TritonMHC(gemm_tokens).sublayer_input(streams, fn, base, scale, n, 20, 1e-6, 1e-6, weight, 1e-6)
     ref_x, ref_post, ref_comb = TorchMHC().sublayer_input(streams, fn, base, scale, n, 20, 1e-6, 1e-6, weight, 1e-6)
     assert x.shape == (tokens, width) and x.dtype == dtype
-    _, weights_post, weights_comb = TritonMHC().weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6)
+    _, weights_post, weights_comb = TritonMHC(gemm_tokens).weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6)
     # as ``weights`` gives them, up to the Sinkhorn's reduction order (this launch has more warps a program)
     torch.testing.assert_close(post, weights_post, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(comb, weights_comb, rtol=1e-6, atol=1e-7)

@@ -9,7 +9,7 @@
 # kernels (tools/gpu_kernels.py, tools/gpu_glue.py), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
-# (batch 64 and 256 and an 8192-token prefill, against HF), prefill (tools/profile_prefill.py on flash4L at PREFILL_LENS
+# (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), prefill (tools/profile_prefill.py on flash4L at PREFILL_LENS
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
@@ -103,7 +103,7 @@ latency() {  # name, then bench latency arguments (--model defaults to flash4L)
     local name=$1; shift
     stamp "latency $name"
     timeout 400 "${bench[@]}" latency --model "${model:-/tmp/flash4L}" --load-format dummy --dtype bfloat16 --num-iters-warmup 1 \
-        --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|captured|CUDA graphs|DeepSeek kernels" | head -6
+        --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|Killed|DeepSeek kernels" | tail -6
     python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','prefill_tokens_per_second','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_$name.json" 2>&1
 }
 if has profile; then  # kernels per eager decode step at batch 1 and 16
@@ -154,8 +154,13 @@ if has prefill; then  # where an eager prefill's device time goes, and FlashMLA'
 fi
 if has large; then
     latency b64 --batch-size 64 --input-len 512 --output-len 64 --compare-hf
-    latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192 --compare-hf
+fi
+if has large || has p8192; then
     latency prefill8192 --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --compare-hf
+fi
+if has large || has b256; then  # alone first: HF's side may not fit at this batch, and its failure loses both
+    latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
+    latency b256_hf --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192 --compare-hf
 fi
 if has invariant; then  # issue 10: batch-invariant mode on flash4L: one output among random batches, and its cost
     for mode in 1 0; do

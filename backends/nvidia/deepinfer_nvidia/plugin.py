@@ -51,27 +51,31 @@ def deepinfer_moe_backend(config, device):
 def deepinfer_attention_backend(config, device):
     if device.type != "cuda":
         return None
-    from deepinfer_nvidia.deepseek_kernels import deep_gemm, flash_mla, report
-    from deepinfer_nvidia.sparse_attention import TritonAttention
+    from deepinfer_nvidia.deepseek_kernels import deep_gemm, flash_mla, flash_mla_prefill, report
+    from deepinfer_nvidia.sparse_attention import FLASHMLA_PREFILL_MIN_TOKENS, TritonAttention
 
     if _invariant():
         log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; batch-invariant mode: Triton serves "
                                        "attention, GEMMs and MoE with fixed configurations")
         return TritonAttention(tiles_per_split=INVARIANT_TILES_PER_SPLIT)
-    sparse_decode, _ = flash_mla()
+    (sparse_decode, _), (sparse_prefill, _) = flash_mla(), flash_mla_prefill()
     fp8 = config.kv_cache_dtype == "fp8"
-    serves = ("FlashMLA serves attention over the FP8 KV cache (64 or 128 heads), Triton the rest"
-              if sparse_decode is not None and fp8 else
-              "Triton serves attention" + (" (FlashMLA reads only kv_cache_dtype='fp8')" if sparse_decode else ""))
+    if sparse_decode is not None and fp8:
+        serves = "FlashMLA serves attention over the FP8 KV cache (64 or 128 heads), Triton the rest"
+    elif sparse_prefill is not None and not fp8:
+        serves = (f"FlashMLA's sparse prefill serves attention over bf16 rows in calls of {FLASHMLA_PREFILL_MIN_TOKENS}+ "
+                  "tokens (64 or 128 heads), Triton the rest")
+    else:
+        serves = "Triton serves attention"
     gemms = "DeepGEMM serves FP8 GEMMs with 128 x 128 tiles, Triton the rest" if deep_gemm()[0] else "Triton serves GEMMs"
     log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; {serves}; {gemms}; Triton serves MoE")
-    return TritonAttention(flash_mla=sparse_decode if fp8 else None)
+    return TritonAttention(flash_mla=sparse_decode if fp8 else None, flash_mla_prefill=None if fp8 else sparse_prefill)
 
 
 @hookimpl
 def deepinfer_mhc_backend(config, device):
     if device.type != "cuda":
         return None
-    from deepinfer_nvidia.mhc import TritonMHC
+    from deepinfer_nvidia.mhc import GEMM_TOKENS, TritonMHC
 
-    return TritonMHC()
+    return TritonMHC(gemm_tokens=None if _invariant() else GEMM_TOKENS)
