@@ -178,28 +178,23 @@ def _merge_kernel(part_ptr, stat_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh, 
 
 @triton.jit
 def _merge_normalized_kernel(a_ptr, stride_at, stride_ah, lse_a_ptr, stride_lat, b_ptr, stride_bt, stride_bh, lse_b_ptr,
-                             stride_lbt, sinks_ptr, out_ptr, stride_ot, stride_oh, D: tl.constexpr,
-                             HAS_B: tl.constexpr):
-    """One (token, head) from per-source attention outputs normalized over their own keys and their natural-log
-    sums: ``sum_s e^lse_s o_s / (sum_s e^lse_s + e^sink)``, in fp32; a source without keys (lse +inf) weighs 0."""
+                             stride_lbt, sinks_ptr, out_ptr, stride_ot, stride_oh, D: tl.constexpr):
+    """One (token, head) from two sources' attention outputs, each normalized over its own keys, and their
+    natural-log sums: ``(e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b + e^sink)`` in fp32; a source without keys
+    (lse +inf) weighs 0."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_d = tl.arange(0, D)
     lse_a = tl.load(lse_a_ptr + token * stride_lat + head)
     lse_a = tl.where(lse_a == float("inf"), float("-inf"), lse_a)
+    lse_b = tl.load(lse_b_ptr + token * stride_lbt + head)
+    lse_b = tl.where(lse_b == float("inf"), float("-inf"), lse_b)
     sink = tl.load(sinks_ptr + head).to(tl.float32)
-    top = tl.maximum(lse_a, sink)
-    if HAS_B:
-        lse_b = tl.load(lse_b_ptr + token * stride_lbt + head)
-        lse_b = tl.where(lse_b == float("inf"), float("-inf"), lse_b)
-        top = tl.maximum(top, lse_b)
-    weight_a = tl.exp(lse_a - top)
-    denominator = weight_a + tl.exp(sink - top)
+    top = tl.maximum(tl.maximum(lse_a, lse_b), sink)
+    weight_a, weight_b = tl.exp(lse_a - top), tl.exp(lse_b - top)
     acc = weight_a * tl.load(a_ptr + token * stride_at + head * stride_ah + offs_d).to(tl.float32)
-    if HAS_B:
-        weight_b = tl.exp(lse_b - top)
-        denominator += weight_b
-        acc += weight_b * tl.load(b_ptr + token * stride_bt + head * stride_bh + offs_d).to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, (acc / denominator).to(out_ptr.dtype.element_ty))
+    acc += weight_b * tl.load(b_ptr + token * stride_bt + head * stride_bh + offs_d).to(tl.float32)
+    out = acc / (weight_a + weight_b + tl.exp(sink - top))
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -351,8 +346,8 @@ def _flashmla_attention(sparse_decode, q, sources, sinks, scale):
     return out.squeeze(1)
 
 
-# FlashMLA's sparse prefill is 5.8-6.2x faster than the Triton kernel at 512-4096 tokens (H200, V4-Flash shapes);
-# below this many tokens (decode steps) the Triton kernel's splits keep the device busy instead
+# FlashMLA's sparse prefill is 5.8-6.3x faster than the Triton kernel at 512-4096 tokens (H200, V4-Flash shapes);
+# decode steps (fewer tokens) keep the Triton kernel, whose times there are the ones measured against FlashMLA's decode
 FLASHMLA_PREFILL_MIN_TOKENS = 256
 
 
@@ -366,6 +361,8 @@ def _flashmla_prefill_serves(q, sources) -> bool:
 def _flashmla_prefill_attention(sparse_prefill, q, sources, sinks, scale):
     """One FlashMLA call per source (its kernel reads one pool): a lone source applies the sinks itself, two are
     merged by their log-sum-exps. Index lists are padded with -1 to whole 128-key blocks."""
+    q = _unit_rows(q)
+
     def call(pool, idx, sink):
         padded = torch.nn.functional.pad(idx, (0, -idx.shape[1] % 128), value=-1).to(torch.int32).unsqueeze(1)
         return sparse_prefill(q, _unit_rows(pool).unsqueeze(1), padded, scale, sink)
@@ -376,7 +373,7 @@ def _flashmla_prefill_attention(sparse_prefill, q, sources, sinks, scale):
     out = torch.empty_like(q)
     _merge_normalized_kernel[(q.shape[0], q.shape[1])](
         a, a.stride(0), a.stride(1), lse_a, lse_a.stride(0), b, b.stride(0), b.stride(1), lse_b, lse_b.stride(0),
-        sinks, out, out.stride(0), out.stride(1), D=q.shape[2], HAS_B=True)
+        sinks, out, out.stride(0), out.stride(1), D=q.shape[2])
     return out
 
 
