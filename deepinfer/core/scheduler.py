@@ -111,9 +111,9 @@ class Scheduler:
         """Record progress, offer full blocks to the prefix cache, release what is no longer read."""
         for request, start, count in scheduled:
             request.num_computed = start + count
+            num_full = request.num_computed // self.blocks.block_size
             # only a step that filled a block has one to offer: the others (most decode steps) skip the table walk
-            if self.blocks.prefix_caching and request.num_computed // self.blocks.block_size > start // self.blocks.block_size:
-                num_full = request.num_computed // self.blocks.block_size
+            if self.blocks.prefix_caching and num_full > start // self.blocks.block_size:
                 hashes = self.blocks.block_hashes(request.token_ids, num_full, request.block_hashes)
                 # a replayed prefill's window rows are not what a full one computes (its decoder layers skipped the
                 # rows before the replay start and saw windows cut there): they stay out of the prefix cache

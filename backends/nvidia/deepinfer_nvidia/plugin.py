@@ -63,8 +63,8 @@ def deepinfer_attention_backend(config, device):
     if sparse_decode is not None and fp8:
         serves = "FlashMLA serves attention over the FP8 KV cache (64 or 128 heads), Triton the rest"
     elif sparse_prefill is not None and not fp8:
-        serves = (f"FlashMLA's sparse prefill serves attention over bf16 rows in calls of {FLASHMLA_PREFILL_MIN_TOKENS}+ "
-                  "tokens (64 or 128 heads), Triton the rest")
+        serves = (f"FlashMLA's sparse prefill serves attention over bf16 rows in calls of "
+                  f"{FLASHMLA_PREFILL_MIN_TOKENS}+ tokens (64 or 128 heads), Triton the rest")
     else:
         serves = "Triton serves attention"
     gemms = "DeepGEMM serves FP8 GEMMs with 128 x 128 tiles, Triton the rest" if deep_gemm()[0] else "Triton serves GEMMs"
