@@ -9,7 +9,9 @@
 # kernels (tools/gpu_kernels.py, tools/gpu_glue.py), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
-# (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), prefill (tools/profile_prefill.py on flash4L at PREFILL_LENS
+# (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
+# tools/gpu_kernels.py --grouped; GROUPED_TESTS, GROUPED_FORMATS narrow them), v41prefill (the V4.1-Flash-shaped fixture's
+# prefill at V41_PREFILL_LENS tokens, 8192 and 512), prefill (tools/profile_prefill.py on flash4L at PREFILL_LENS
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
@@ -150,6 +152,21 @@ if has prefill; then  # where an eager prefill's device time goes, and FlashMLA'
         stamp "profile prefill $n"
         timeout 240 python tools/profile_prefill.py /tmp/flash4L --dummy --input-len $n 2>&1 | grep -v INFO | tail -1 \
             | tee -a "$out/prefill_profile.jsonl"
+    done
+fi
+if has grouped; then  # long prefills' experts through DeepGEMM's grouped GEMM: its tests, then against Triton's kernel
+    stamp "grouped experts"
+    timeout 200 python -m pytest -q -x ${GROUPED_TESTS:-tests/test_nvidia_moe_grouped.py tests/test_nvidia_moe.py} 2>&1 \
+        | tee "$out/tests_grouped.txt" | tail -4
+    timeout 300 python tools/gpu_kernels.py --grouped 2>&1 | grep -v INFO | tee "$out/kernels_grouped.json" | grep speedup
+fi
+if has p512; then
+    latency p512 --batch-size 1 --input-len 512 --output-len 2 --compare-hf
+fi
+if has v41prefill; then  # the V4.1-Flash-shaped fixture's prefill (MXFP4 experts)
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for n in ${V41_PREFILL_LENS:-8192 512}; do
+        model=/tmp/v41flash8L latency v41_p$n --batch-size 1 --input-len $n --output-len 2 --max-num-batched-tokens 8192
     done
 fi
 if has large; then

@@ -1,13 +1,15 @@
 """Kernel-level figures of the NVIDIA backend at DeepSeek-V4-Flash shapes (issue 6), printed as JSON.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8 | --prefill]
+    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8 | --prefill | --grouped]
 
 - Sparse attention, decode: 64 heads x 512, a 128-row window plus 512 indexer-selected compressed entries per
   token, bf16 pools; batch 1, 16, 128 (FlashMLA's H200 time at 128 is 51.8 µs, kernel-anchors §1), with the
   bytes each call gathers and the rate that implies.
 - Routed experts: 32 experts x 16 tokens each, hidden 4096, intermediate 2048 (V4-Flash), w1/w3/w2 streamed once:
   bf16 and MXFP4 weights, GB/s of weight bytes (DeepGEMM's masked FP8 grouped GEMM streams 3.59 TB/s there).
-- Routed experts in a prefill: 8192 tokens, top-6 of 256 bf16 experts, 16-row against 64-row blocks.
+- ``--grouped``: routed experts in a prefill (512, 2048, 8192 tokens; 256 bf16 experts and 384 MXFP4 ones, top-6),
+  Triton's grouped kernel against DeepGEMM's m-grouped contiguous GEMM (``moe_grouped``), and the MXFP4
+  dequantization's rate.
 - DeepSeek's kernels in the same run, where build.sh provisioned them (``deepseek_peers``): FlashMLA's sparse
   decode on the same attention problem, its KV packed in V4's FP8 layout (our kernel reads the same rows
   dequantized to bf16, so the outputs are compared too); DeepGEMM's masked grouped GEMM on the experts shape (FP8
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import torch
 import triton.testing
 
 from deepinfer_nvidia import deepseek_kernels
-from deepinfer_nvidia import moe as moe_module
+from deepinfer_nvidia import moe_grouped
 from deepinfer.core.fp8_kv import FP8Rows
 from deepinfer.core.quantization import quantize_fp4, quantize_fp8
 from deepinfer.plugins.interfaces import ExpertWeights
@@ -97,20 +100,45 @@ def experts() -> list[dict]:
 
 
 def prefill_experts() -> list[dict]:
-    num, hidden, inter, tokens, top_k = 256, 4096, 2048, 8192, 6
-    (w1, _), (w3, _), (w2, _) = (_stack(num, inter, hidden, False), _stack(num, inter, hidden, False),
-                                 _stack(num, hidden, inter, False))
-    weights = ExpertWeights(w1, w3, w2, 10.0)
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=DEVICE)
-    ids = torch.rand(tokens, num, device=DEVICE).argsort(1)[:, :top_k]
-    topk_weights = torch.rand(tokens, top_k, device=DEVICE)
-    rows, chosen = [], moe_module.block_rows
-    for bm in (moe_module.SMALL_BM, moe_module.LARGE_BM):
-        moe_module.block_rows = lambda assignments, experts, bm=bm: bm
-        us = _graph_us(lambda: TritonMoE(reference=None).routed_experts(x, ids, topk_weights, weights))
-        flops = 2 * tokens * top_k * 3 * hidden * inter
-        rows.append({"block_rows": bm, "us": round(us), "TFLOPS": round(flops / us / 1e6)})
-    moe_module.block_rows = chosen
+    """Triton's grouped kernel (16- or 64-row blocks, as it picks) against DeepGEMM's m-grouped contiguous bf16 GEMM
+    (``moe_grouped``; MXFP4 experts dequantized per chunk) on prefill-sized calls, eager as a prefill runs them:
+    V4-Flash's 256 bf16 experts and V4.1-Flash's count of MXFP4 ones (384), both at V4-Flash's widths (hidden 4096,
+    intermediate 2048), top-6."""
+    gemm, align = deepseek_kernels.grouped_bf16_gemm()
+    hidden, inter, top_k = 4096, 2048, 6
+    rows = []
+    for fmt, num in (("bf16", 256), ("mxfp4", 384)):
+        if fmt not in os.environ.get("GROUPED_FORMATS", "bf16,mxfp4").split(","):
+            continue
+        fp4 = fmt == "mxfp4"
+        (w1, s1), (w3, s3), (w2, s2) = (_stack(num, inter, hidden, fp4), _stack(num, inter, hidden, fp4),
+                                        _stack(num, hidden, inter, fp4))
+        weights = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, 128 if fp4 else 0)
+        if fp4:
+            us = triton.testing.do_bench(lambda: moe_grouped.dequantize_fp4(w1[:32], s1[:32])) * 1e3
+            written = 32 * inter * hidden * 2
+            rows.append({"mxfp4_dequantization_32_experts_us": round(us), "GBps_read_plus_written":
+                         round((written + written // 4 + written // 32) / us / 1e3)})
+            print(json.dumps(rows[-1]), flush=True)
+        for tokens in (512, 2048, 4096, 8192):
+            x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=DEVICE)
+            ids = torch.rand(tokens, num, device=DEVICE).argsort(1)[:, :top_k]
+            topk_weights = torch.rand(tokens, top_k, device=DEVICE)
+            flops = 2 * tokens * top_k * 3 * hidden * inter
+            row = {"weights": fmt, "experts": num, "tokens": tokens}
+            triton_ms = triton.testing.do_bench(lambda: TritonMoE(reference=None).routed_experts(
+                x, ids, topk_weights, weights))
+            row |= {"triton_ms": round(triton_ms, 2), "triton_TFLOPS": round(flops / triton_ms / 1e9)}
+            if gemm is not None:
+                reference = TritonMoE(reference=None).routed_experts(x, ids, topk_weights, weights).float()
+                grouped = moe_grouped.routed_experts(gemm, align, x, ids, topk_weights, weights).float()
+                grouped_ms = triton.testing.do_bench(lambda: moe_grouped.routed_experts(
+                    gemm, align, x, ids, topk_weights, weights))
+                row |= {"deepgemm_ms": round(grouped_ms, 2), "deepgemm_TFLOPS": round(flops / grouped_ms / 1e9),
+                        "speedup": round(triton_ms / grouped_ms, 2),
+                        "relative_difference": float((grouped - reference).norm() / reference.norm())}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -283,11 +311,13 @@ def flashmla_prefill_peer() -> list[dict]:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["--prefill"]:
+    if sys.argv[1:] == ["--grouped"]:
+        print(json.dumps({"prefill_experts": prefill_experts()}, indent=1))
+    elif sys.argv[1:] == ["--prefill"]:
         print(json.dumps({"flashmla_prefill": flashmla_prefill_peer()}, indent=1))
     elif sys.argv[1:] == ["--triton-fp8"]:
         print(json.dumps({"triton_fp8_attention": triton_fp8_attention()}, indent=1))
     else:
         print(json.dumps({"device": torch.cuda.get_device_name(), "deepseek_kernels": deepseek_kernels.report(),
                           "attention": attention(), "flashmla": flashmla_peer(), "experts": experts(),
-                          "deepgemm": deepgemm_peer(), "prefill_experts": prefill_experts()}, indent=1))
+                          "deepgemm": deepgemm_peer()}, indent=1))

@@ -12,8 +12,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks, norm, rope,
-                              routing, slots)
+from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks,
+                              moe_grouped, norm, rope, routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -67,6 +67,9 @@ CASES = {
     "expert blocks": (moe_blocks._blocks_kernel, {"ids_ptr": "*i64", **{f"{n}_ptr": "*i32" for n in (
                           "order", "token_of", "sorted_rows", "expert", "start", "rows")}},
                       {"TOP_K": 6, "BM": 16, "E_PAD": 256, "CHUNK": 16}),
+    "mxfp4 dequantization": (moe_grouped._dequant_fp4_kernel, {"codes_ptr": "*i8", "scales_ptr": "*u8",
+                                                               "out_ptr": "*i32"},
+                             {"HALF_K": 2048, "ROWS": 8, "BLOCK": 256}),
     "expert combine": (moe_blocks._combine_kernel, {"down_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": "*bf16"},
                        {"TOP_K": 6, "BLOCK_D": 1024}),
     "compressor rows": (compress_pool._compressor_rows_kernel, {"kv_ptr": "*bf16", "score_ptr": "*bf16",

@@ -89,6 +89,15 @@ def deep_gemm():
         return None, f"deep_gemm: {exc}"
 
 
+def grouped_bf16_gemm():
+    """``(gemm, align)``: DeepGEMM's ``m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout)`` and the M alignment of
+    its contiguous layout, or ``(None, 0)`` where DeepGEMM did not load."""
+    module, _ = deep_gemm()
+    if module is None:
+        return None, 0
+    return module.m_grouped_bf16_gemm_nt_contiguous, module.get_mk_alignment_for_contiguous_layout()
+
+
 def report() -> str:
     """One line for build.sh and the engine log: what loaded, and why the rest did not."""
     lines = []

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import activation, moe_blocks, routing
+from deepinfer_nvidia import activation, moe_blocks, moe_grouped, routing
 from deepinfer_nvidia.fp8_linear import act_quant
 
 logger = init_logger(__name__)
@@ -308,12 +308,16 @@ class TritonMoE:
     name = "triton"
     graph_safe = True
 
-    def __init__(self, reference, pinned: bool = False):
+    def __init__(self, reference, pinned: bool = False, grouped_gemm=None, grouped_align: int = 0):
         self.reference = reference  # serves FP8 experts, which no release ships
         self.pinned = pinned  # 16-row blocks and one tile configuration whatever the batch (batch-invariant mode)
         self.batch_invariant = pinned
+        # DeepGEMM's m_grouped_bf16_gemm_nt_contiguous and its M alignment: long prefills (moe_grouped)
+        self.grouped_gemm, self.grouped_align = (None, 0) if pinned else (grouped_gemm, grouped_align)
         if pinned:
             self.name = "triton, pinned tiles (batch-invariant)"
+        elif grouped_gemm is not None:
+            self.name = "triton; DeepGEMM's grouped GEMM in long prefills"
 
     def route(self, x, token_ids, router):
         return routing.route(x, token_ids, router, pinned=self.pinned)
@@ -335,6 +339,8 @@ class TritonMoE:
         tokens, top_k = topk_ids.shape
         if tokens == 0:
             return torch.zeros_like(x)
+        if self.grouped_gemm is not None and moe_grouped.serves(topk_ids.numel(), weights):
+            return moe_grouped.routed_experts(self.grouped_gemm, self.grouped_align, x, topk_ids, topk_weights, weights)
         bm = SMALL_BM if self.pinned else block_rows(topk_ids.numel(), w1.shape[0])
         if moe_blocks.serves(topk_ids.numel()):  # decode: one launch instead of ~20 small ones
             order, token_of, sorted_rows, blocks = moe_blocks.expert_blocks(topk_ids, w1.shape[0], bm)

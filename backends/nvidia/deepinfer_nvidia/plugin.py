@@ -42,9 +42,13 @@ def deepinfer_moe_backend(config, device):
     if device.type != "cuda":
         return None
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
+    from deepinfer_nvidia.deepseek_kernels import grouped_bf16_gemm
     from deepinfer_nvidia.moe import TritonMoE
 
-    return TritonMoE(reference=TorchMoE(), pinned=_invariant())
+    if _invariant():
+        return TritonMoE(reference=TorchMoE(), pinned=True)
+    gemm, align = grouped_bf16_gemm()
+    return TritonMoE(reference=TorchMoE(), grouped_gemm=gemm, grouped_align=align)
 
 
 @hookimpl
@@ -67,8 +71,12 @@ def deepinfer_attention_backend(config, device):
                   f"{FLASHMLA_PREFILL_MIN_TOKENS}+ tokens (64 or 128 heads), Triton the rest")
     else:
         serves = "Triton serves attention"
-    gemms = "DeepGEMM serves FP8 GEMMs with 128 x 128 tiles, Triton the rest" if deep_gemm()[0] else "Triton serves GEMMs"
-    log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; {serves}; {gemms}; Triton serves MoE")
+    if deep_gemm()[0] is not None:
+        gemms = ("DeepGEMM serves FP8 GEMMs with 128 x 128 tiles and the routed experts of long prefills (bf16, "
+                 "MXFP4 dequantized), Triton the rest")
+    else:
+        gemms = "Triton serves GEMMs and MoE"
+    log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; {serves}; {gemms}")
     return TritonAttention(flash_mla=sparse_decode if fp8 else None, flash_mla_prefill=None if fp8 else sparse_prefill)
 
 
