@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidi
 from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.fp8_linear import (SPLIT_MAX_ROWS, TritonLinear, _programs_wanted, act_quant,  # noqa: E402
-                                         split_count)
+                                         fp8_rounded, split_count)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (tokens, out, in, block): V4's 128 tiles and V4.1's 32 tiles, ragged edges, decode and prefill sizes
@@ -54,6 +54,18 @@ def test_act_quant_is_bit_exact(tokens, out, cols, block):
     q, scales = act_quant(x, block)
     ours = q.float() * scales.repeat_interleave(block, 1)[:, :cols]
     assert torch.equal(ours, round_fp8(x, block))
+
+
+@pytest.mark.parametrize("tokens, cols, block", [(7, 100, 32), (9, 4160, 128), (70, 160, 32)])
+def test_act_quant_tiles_cover_partial_segments_and_rows(tokens, cols, block):
+    """A last segment shorter than the block, segment groups past the row's end, several rows per program with a
+    partial last tile."""
+    x = _inputs(tokens, cols, seed=cols)
+    _poison()
+    q, scales = act_quant(x, block)
+    assert torch.equal(q.float() * scales.repeat_interleave(block, 1)[:, :cols], round_fp8(x, block))
+    # the same values as bf16 in one pass (exact: e4m3 values times powers of two), for bf16 GEMMs
+    assert torch.equal(fp8_rounded(x, block), round_fp8(x, block).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import activation, moe_blocks
-from deepinfer_nvidia.fp8_linear import act_quant
+from deepinfer_nvidia.fp8_linear import fp8_rounded
 
 # Rows per expert, on average over the layer's experts, from which the grouped GEMM serves a call: below, padding
 # each expert to the M alignment (and for MXFP4 dequantizing every expert) costs more than the Triton kernel loses
@@ -44,8 +44,8 @@ def serves(assignments: int, weights) -> bool:
     if not fp4 and (w1.dtype != torch.bfloat16 or weights.w1_scale is not None):
         return False
     hidden, inter = w2.shape[1], w2.shape[2] * (2 if fp4 else 1)
-    return (assignments >= MIN_ROWS_PER_EXPERT["mxfp4" if fp4 else "bf16"] * w1.shape[0] and hidden % SHAPE_MULTIPLE == 0
-            and inter % SHAPE_MULTIPLE == 0)
+    enough = assignments >= MIN_ROWS_PER_EXPERT["mxfp4" if fp4 else "bf16"] * w1.shape[0]
+    return enough and hidden % SHAPE_MULTIPLE == 0 and inter % SHAPE_MULTIPLE == 0
 
 
 def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int, chunk: int):
@@ -114,13 +114,6 @@ def dequantize_fp4(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor 
     return out[:experts]
 
 
-def _fp8_rounded(x: torch.Tensor, block: int) -> torch.Tensor:
-    """bf16 of ``x`` rounded to FP8 in ``1 x block`` segments, as the reference rounds the experts' inputs (exact:
-    e4m3 values times powers of two)."""
-    q, scales = act_quant(x.contiguous(), block)
-    return (q.float().view(len(x), -1, block) * scales[:, :, None]).view(x.shape).to(torch.bfloat16)
-
-
 def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_experts: int = FP4_CHUNK_EXPERTS):
     """``TritonMoE.routed_experts`` through ``gemm(a, b, d, layout)`` with ``m_grouped_bf16_gemm_nt_contiguous``'s
     contract: ``d[r] = a[r] b[layout[r]]^T`` for the rows whose layout is not -1."""
@@ -130,10 +123,10 @@ def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_e
     chunk = chunk_experts if fp4 else experts
     padded_row, layout, bounds = contiguous_layout(topk_ids, experts, align, chunk)
     # (first expert, last + 1, first padded row, last + 1) of each chunk with rows
-    chunks = [(e, min(e + chunk, experts), bounds[e], bounds[min(e + chunk, experts)]) for e in range(0, experts, chunk)]
-    chunks = [c for c in chunks if c[3] > c[2]]
+    spans = [(first, min(first + chunk, experts)) for first in range(0, experts, chunk)]
+    chunks = [(first, last, bounds[first], bounds[last]) for first, last in spans if bounds[last] > bounds[first]]
     block = weights.activation_block
-    a = _fp8_rounded(x, block) if fp4 else x.to(torch.bfloat16)
+    a = fp8_rounded(x.contiguous(), block) if fp4 else x.to(torch.bfloat16)
     stacked = torch.empty(len(layout), a.shape[1], dtype=torch.bfloat16, device=x.device)
     stacked[padded_row] = a.repeat_interleave(top_k, 0)
     inter, hidden = w2.shape[2] * (2 if fp4 else 1), w2.shape[1]
@@ -145,7 +138,7 @@ def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_e
             gemm(stacked[lo:hi], b, out[lo:hi], layout[lo:hi])
     h = activation.swiglu(gate, up, weights.swiglu_limit)
     if fp4:
-        h = _fp8_rounded(h, block)
+        h = fp8_rounded(h, block)
         scratch = scratch.view(chunk, hidden, inter)  # w2's shape, the same bytes
     down = torch.empty(len(layout), hidden, dtype=torch.bfloat16, device=x.device)
     for first, last, lo, hi in chunks:
