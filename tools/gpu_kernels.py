@@ -102,18 +102,18 @@ def experts() -> list[dict]:
 def prefill_experts() -> list[dict]:
     """Triton's grouped kernel (16- or 64-row blocks, as it picks) against DeepGEMM's m-grouped contiguous bf16 GEMM
     (``moe_grouped``; MXFP4 experts dequantized per chunk) on prefill-sized calls, eager as a prefill runs them:
-    V4-Flash's 256 bf16 experts and V4.1-Flash's count of MXFP4 ones (384), both at V4-Flash's widths (hidden 4096,
-    intermediate 2048), top-6."""
+    V4-Flash's 256 bf16 experts (hidden 4096, intermediate 2048) and V4.1-Flash's 384 MXFP4 ones (5120, 2304),
+    top-6. (The ninth session's figures had the MXFP4 experts at V4-Flash's widths.)"""
     gemm, align = deepseek_kernels.grouped_bf16_gemm()
-    hidden, inter, top_k = 4096, 2048, 6
+    top_k = 6
     rows = []
-    for fmt, num in (("bf16", 256), ("mxfp4", 384)):
+    for fmt, num, hidden, inter in (("bf16", 256, 4096, 2048), ("mxfp4", 384, 5120, 2304)):
         if fmt not in os.environ.get("GROUPED_FORMATS", "bf16,mxfp4").split(","):
             continue
         fp4 = fmt == "mxfp4"
         (w1, s1), (w3, s3), (w2, s2) = (_stack(num, inter, hidden, fp4), _stack(num, inter, hidden, fp4),
                                         _stack(num, hidden, inter, fp4))
-        weights = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, 128 if fp4 else 0)
+        weights = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, 32 if fp4 else 0)  # V4.1's 1 x 32 activation blocks
         if fp4:
             us = triton.testing.do_bench(lambda: moe_grouped.dequantize_fp4(w1[:32], s1[:32])) * 1e3
             written = 32 * inter * hidden * 2
