@@ -27,11 +27,10 @@ from deepinfer_nvidia import activation, moe_blocks
 from deepinfer_nvidia.fp8_linear import fp8_rounded
 
 # Rows per expert, on average over the layer's experts, from which the grouped GEMM serves a call: below, padding
-# each expert to the M alignment (and for MXFP4 dequantizing every expert) costs more than the Triton kernel loses
-# (H200, V4-Flash shapes, BENCHMARKS.md "Grouped-GEMM experts": bf16 1.09x at 48 rows, 0.85x at 12; MXFP4
-# 1.16x at 128 rows with the first dequantization kernel).
+# each expert to the M alignment (and for MXFP4 dequantizing every expert) costs more than the Triton kernel loses.
+# H200, BENCHMARKS.md's ninth GPU session: bf16 1.09x at 48 rows, 0.85x at 12; MXFP4 1.08x at 64, 0.72x at 32.
 MIN_ROWS_PER_EXPERT = {"bf16": 48, "mxfp4": 64}
-# DeepGEMM's bf16 kernels tile K by 64, and N must fill whole tiles of the smallest block it picks.
+# Widths in whole 64-column tiles (DeepGEMM's bf16 K tile; every V4 and V4.1 width is one): others stay on Triton.
 SHAPE_MULTIPLE = 64
 # MXFP4 experts dequantized at a time, one weight at a time: 32 of V4.1-Flash's w1 are a 755 MB bf16 scratch.
 FP4_CHUNK_EXPERTS = 32
