@@ -49,17 +49,17 @@ def _mix_inputs(tokens: int, n: int, width: int, dtype: torch.dtype, seed: int) 
     return [t.to(DEVICE) for t in (streams, fn, base, scale)]
 
 
-# the default, and 1: every call's projection is the prefill's one GEMM
+# the default, and 1: every call's projection is the prefill's tiled kernel
 GEMM_PATHS = [GEMM_TOKENS, 1]
 
 
 @pytest.mark.parametrize("gemm_tokens", GEMM_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, n, width", [(1, 4, 100), (37, 4, 100), (5, 2, 300), (17, 2, 64), (0, 4, 64),
-                                              (2, 4, 2100)])
+                                              (2, 4, 2100), (70, 4, 100)])
 def test_weights_match_the_reference(tokens, n, width, dtype, gemm_tokens):
     """The projection split over K (n * width: no multiple of the split, or two column blocks a split at 2100),
-    or one GEMM, summed with the Sinkhorn in a second launch, against ``core.ops.mhc_logits`` and the reference
+    or in tiles of tokens (70: a second, partial tile), summed with the Sinkhorn in a second launch, against ``core.ops.mhc_logits`` and the reference
     coefficients."""
     streams, fn, base, scale = _mix_inputs(tokens, n, width, dtype, seed=tokens * 11 + width)
     if DEVICE.type == "cuda":

@@ -8,8 +8,8 @@ two normalisations), and the model calls it twice per layer: at decode that laun
 cost. Here a program keeps its tokens' n x n matrices in registers and unrolls the iterations. The logits before
 it (an RMS norm, a GEMV against fn [(2 + n) n, n D], scales and bias: 6 more launches in torch) become one split-K
 launch: at batch 1 reading fn (1.5 MB for flash) is the work, so it is spread over up to 64 programs. On an H200 at
-flash's sizes, in a CUDA graph, a sublayer's weights take ~10 us at batch 1 instead of ~23 (the same at 37 tokens;
-a prefill chunk of 4096 bf16 tokens ~13% slower than cuBLAS, which is not batch invariant).
+flash's sizes, in a CUDA graph, a sublayer's weights take ~10 us at batch 1 instead of ~23 (the same at 37 tokens).
+Prefill chunks of 256+ tokens multiply tiles of 64 tokens instead (``_mix_tiles_kernel``; not batch invariant).
 The collapse (a weighted sum of the n streams) and the expansion (the mix of the old streams plus the sublayer's
 output) are a few element-wise torch ops each; here each is one pass over the streams in fp32.
 """
@@ -25,6 +25,8 @@ BLOCK_T = 16
 # width alone, never on the token count: a token's sum is then added in the same order in any batch.
 MAX_SPLITS = 64
 BLOCK_K = 128
+# A prefill's projection: tokens per program, and about how many programs to launch (two per SM of an H200)
+PREFILL_TILE_T, PREFILL_PROGRAMS = 64, 264
 
 
 @triton.jit
@@ -100,6 +102,31 @@ def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, 
             at = row.to(tl.int64) * tl.num_programs(1) + split
             tl.store(dots_ptr + at * M + m, tl.sum(products, axis=1), mask=m < M)
             tl.store(squares_ptr + at, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _mix_tiles_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, K, M: tl.constexpr,
+                      M_PAD: tl.constexpr, TILE_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCKS_PER_SPLIT: tl.constexpr):
+    """``_mix_partials_kernel``'s outputs for a prefill's many tokens: TILE_T tokens a program, their products with
+    fn's rows as fp32 tl.dot tiles (IEEE, not TF32), read from the bf16 streams without an fp32 copy."""
+    rows = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)
+    rows_ok = rows < T
+    split = tl.program_id(1)
+    m = tl.arange(0, M_PAD)
+    dots = tl.zeros((TILE_T, M_PAD), tl.float32)
+    squares = tl.zeros((TILE_T,), tl.float32)
+    for block in range(BLOCKS_PER_SPLIT):
+        cols = (split * BLOCKS_PER_SPLIT + block) * BLOCK_K + tl.arange(0, BLOCK_K)
+        in_row = cols < K
+        x = tl.load(streams_ptr + rows.to(tl.int64)[:, None] * stride_st + cols[None, :],
+                    mask=rows_ok[:, None] & in_row[None, :], other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + m[:, None] * K + cols[None, :], mask=(m[:, None] < M) & in_row[None, :], other=0.0)
+        dots = tl.dot(x, tl.trans(w), dots, input_precision="ieee")
+        squares += tl.sum(x * x, axis=1)
+    at = rows.to(tl.int64) * tl.num_programs(1) + split
+    tl.store(dots_ptr + at[:, None] * M + m[None, :], dots, mask=rows_ok[:, None] & (m[None, :] < M))
+    tl.store(squares_ptr + at, squares, mask=rows_ok)
 
 
 @triton.jit
@@ -236,9 +263,13 @@ def _check_sinkhorn(hc_mult: int, sinkhorn_iters: int) -> None:
                          f"{hc_mult} and {sinkhorn_iters}")
 
 
-def _splits(width: int) -> tuple[int, int]:
-    """(K-splits, BLOCK_K blocks per split) of a token's flat streams ``width`` wide, none empty."""
-    blocks_per_split = triton.cdiv(triton.cdiv(width, BLOCK_K), MAX_SPLITS)
+def _splits(width: int, programs_along_t: int = 1) -> tuple[int, int]:
+    """(K-splits, BLOCK_K blocks per split) of a token's flat streams ``width`` wide, none empty. With one program
+    per token (decode) the cut depends on the width alone; a prefill's tiles of tokens take just enough splits to
+    give the GPU ~``PREFILL_PROGRAMS`` programs."""
+    blocks = triton.cdiv(width, BLOCK_K)
+    wanted = MAX_SPLITS if programs_along_t == 1 else triton.cdiv(PREFILL_PROGRAMS, programs_along_t)
+    blocks_per_split = triton.cdiv(blocks, max(1, min(MAX_SPLITS, wanted)))
     return triton.cdiv(width, blocks_per_split * BLOCK_K), blocks_per_split
 
 
@@ -253,9 +284,10 @@ def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int, gemm_to
     """The first launch of a sublayer's weights: each token's projection onto ``fn`` and its sum of squares, split
     over K. Returns (dots, squares, splits, flat width), or None without tokens.
 
-    From ``gemm_tokens`` tokens on (prefill chunks) one fp32 GEMM does the projection instead, as a single split: the
-    kernel's token-at-a-time products, right for a decode step's few rows, ran at 2.8 TFLOPS on 8192 tokens (1.16 ms
-    a call on an H200)."""
+    From ``gemm_tokens`` tokens on (prefill chunks) ``_mix_tiles_kernel`` multiplies tiles of tokens instead: the
+    token-at-a-time products, right for a decode step's few rows, ran at 2.8 TFLOPS on 8192 tokens (1.16 ms a call
+    on an H200), and cuBLAS's fp32 GEMM wanted an fp32 copy of the streams (0.78 ms a call with the copy and the
+    squares)."""
     logits = (2 + n) * n
     _check_sinkhorn(n, sinkhorn_iters)
     if streams.dim() != 3 or streams.shape[1] != n or streams.shape[2] == 0:
@@ -270,17 +302,21 @@ def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int, gemm_to
     if not tokens:
         return None
     flat = streams.flatten(1)  # a view unless the streams' channels are strided
-    if gemm_tokens is not None and tokens >= gemm_tokens:
-        wide = flat.float()
-        return torch.mm(wide, fn.t()).unsqueeze(1), wide.square().sum(-1, keepdim=True), 1, width
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    splits, blocks_per_split = _splits(width)
+    tiled = gemm_tokens is not None and tokens >= gemm_tokens
+    tiles = triton.cdiv(tokens, PREFILL_TILE_T if tiled else BLOCK_T)
+    splits, blocks_per_split = _splits(width, tiles if tiled else 1)
     dots = torch.empty(tokens, splits, logits, dtype=torch.float32, device=streams.device)
     squares = torch.empty(tokens, splits, dtype=torch.float32, device=streams.device)
-    _mix_partials_kernel[(triton.cdiv(tokens, BLOCK_T), splits)](
-        flat, flat.stride(0), fn, dots, squares, tokens, width, M=logits, M_PAD=triton.next_power_of_2(logits),
-        BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split)
+    args = (flat, flat.stride(0), fn, dots, squares, tokens, width)
+    if tiled:  # tl.dot wants 16+ columns
+        _mix_tiles_kernel[(tiles, splits)](*args, M=logits, M_PAD=max(16, triton.next_power_of_2(logits)),
+                                           TILE_T=PREFILL_TILE_T, BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split,
+                                           num_warps=8)
+    else:
+        _mix_partials_kernel[(tiles, splits)](*args, M=logits, M_PAD=triton.next_power_of_2(logits), BLOCK_T=BLOCK_T,
+                                              BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split)
     return dots, squares, splits, width
 
 
@@ -294,7 +330,7 @@ def _collapse_inputs(streams: torch.Tensor, norm_weight: torch.Tensor | None):
     return streams, norm_weight.contiguous(), True
 
 
-GEMM_TOKENS = 256  # from this many tokens on, a sublayer's projection onto fn is one cuBLAS GEMM (_mix_partials)
+GEMM_TOKENS = 256  # from this many tokens on, a sublayer's projection onto fn multiplies tiles (_mix_tiles_kernel)
 
 
 class TritonMHC:
