@@ -102,7 +102,8 @@ def test_grouped_experts_match_the_reference(fmt, dtype, experts, top_k, chunk):
     _close(ours, TorchMoE().routed_experts(x, ids, topk_weights, weights), fmt)
 
 
-def test_triton_moe_takes_the_grouped_gemm_from_enough_rows_per_expert():
+def test_triton_moe_takes_the_grouped_gemm_from_enough_rows_per_expert(monkeypatch):
+    monkeypatch.setattr(moe_grouped, "MIN_WIDTH", 64)  # tiny widths, to run in the interpreter
     g = torch.Generator().manual_seed(3)
     experts, hidden, inter, top_k = 8, 128, 64, 2
     weights = _weights("bf16", experts, hidden, inter, g)
@@ -119,13 +120,16 @@ def test_triton_moe_takes_the_grouped_gemm_from_enough_rows_per_expert():
     assert pinned.grouped_gemm is None  # batch-invariant mode keeps one kernel whatever the batch
 
 
-def test_widths_deepgemm_cannot_tile_stay_on_triton():
-    g = torch.Generator().manual_seed(4)
-    weights = _weights("bf16", 4, 96, 64, g)
-    assert not moe_grouped.serves(10_000, weights)
-    assert moe_grouped.serves(10_000, _weights("bf16", 4, 128, 64, g))
-    fp32 = ExpertWeights(*(w.float() for w in (weights.w1, weights.w3, weights.w2)), 10.0)
-    assert not moe_grouped.serves(10_000, fp32)
+def test_small_or_untiled_widths_and_float32_stay_on_triton():
+    def experts(hidden, inter, dtype=torch.bfloat16):  # serves() reads shapes and dtypes only
+        return ExpertWeights(torch.empty(4, inter, hidden, dtype=dtype), torch.empty(4, inter, hidden, dtype=dtype),
+                             torch.empty(4, hidden, inter, dtype=dtype), 10.0)
+
+    assert moe_grouped.serves(10_000, experts(1024, 1024))
+    assert not moe_grouped.serves(10_000, experts(1024 + 32, 1024))  # not whole 64-column tiles
+    assert not moe_grouped.serves(10_000, experts(256, 128))  # the embedded model's experts
+    assert not moe_grouped.serves(10_000, experts(1024, 1024, torch.float32))
+    assert not moe_grouped.serves(100, experts(1024, 1024))  # too few rows per expert
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, align", [(1, 4, 1, 16), (37, 8, 3, 16), (300, 64, 6, 128)])
@@ -178,3 +182,22 @@ def test_fp4_dequantization_of_every_byte_at_extreme_scales():
     ours = moe_grouped.dequantize_fp4(codes, scales)[0]
     expected = dequantize_fp4(codes[0], scales[0], torch.bfloat16)
     assert torch.equal(ours.view(torch.int16), expected.view(torch.int16))  # bit for bit: -0.0 and inf too
+
+
+@pytest.mark.skipif(not CUDA or grouped_bf16_gemm()[0] is None, reason="DeepGEMM on a GPU")
+def test_a_captured_call_keeps_the_triton_path():
+    """A CUDA graph cannot hold the grouped path's host synchronisation: while capturing, the Triton kernel serves
+    even a call with enough rows per expert (the engine captures decode batches, never prefills)."""
+    gemm, align = grouped_bf16_gemm()
+    g = torch.Generator().manual_seed(6)
+    experts, hidden, inter, tokens, top_k = 16, 1024, 1024, 512, 2
+    weights = _weights("bf16", experts, hidden, inter, g)
+    x, ids, topk_weights = _routing(tokens, experts, top_k, hidden, torch.bfloat16, g)
+    assert moe_grouped.serves(ids.numel(), weights)
+    moe = TritonMoE(TorchMoE(), grouped_gemm=gemm, grouped_align=align)
+    TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights)  # compiles the Triton path before capturing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.routed_experts(x, ids, topk_weights, weights)
+    graph.replay()
+    _close(out, TorchMoE().routed_experts(x, ids, topk_weights, weights), "bf16")

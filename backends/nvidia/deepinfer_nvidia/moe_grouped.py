@@ -30,21 +30,27 @@ from deepinfer_nvidia.fp8_linear import fp8_rounded
 # each expert to the M alignment (and for MXFP4 dequantizing every expert) costs more than the Triton kernel loses.
 # H200, BENCHMARKS.md's ninth GPU session: bf16 1.09x at 48 rows, 0.85x at 12; MXFP4 1.08x at 64, 0.72x at 32.
 MIN_ROWS_PER_EXPERT = {"bf16": 48, "mxfp4": 64}
-# Widths in whole 64-column tiles (DeepGEMM's bf16 K tile; every V4 and V4.1 width is one): others stay on Triton.
-SHAPE_MULTIPLE = 64
+# Widths in whole 64-column tiles (DeepGEMM's bf16 K tile; every V4 and V4.1 width is one), and at least this wide:
+# measured at V4-Flash's and V4.1-Flash's widths only; small experts (test and embedded models, whose decode
+# batches can reach the row threshold) keep the Triton path, which never synchronises with the host.
+SHAPE_MULTIPLE, MIN_WIDTH = 64, 1024
 # MXFP4 experts dequantized at a time, one weight at a time: 32 of V4.1-Flash's w1 are a 755 MB bf16 scratch.
 FP4_CHUNK_EXPERTS = 32
 
 
 def serves(assignments: int, weights) -> bool:
-    """A call the grouped GEMM takes: enough rows per expert, bf16 or MXFP4 weights, DeepGEMM-sized widths."""
+    """A call the grouped GEMM takes: enough rows per expert, bf16 or MXFP4 weights, DeepGEMM-sized widths, and
+    no CUDA graph being captured (its host synchronisation cannot be)."""
     w1, w2 = weights.w1, weights.w2
     fp4 = w1.dtype == torch.int8
     if not fp4 and (w1.dtype != torch.bfloat16 or weights.w1_scale is not None):
         return False
     hidden, inter = w2.shape[1], w2.shape[2] * (2 if fp4 else 1)
-    enough = assignments >= MIN_ROWS_PER_EXPERT["mxfp4" if fp4 else "bf16"] * w1.shape[0]
-    return enough and hidden % SHAPE_MULTIPLE == 0 and inter % SHAPE_MULTIPLE == 0
+    if assignments < MIN_ROWS_PER_EXPERT["mxfp4" if fp4 else "bf16"] * w1.shape[0]:
+        return False
+    if any(width % SHAPE_MULTIPLE or width < MIN_WIDTH for width in (hidden, inter)):
+        return False
+    return not (w1.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int, chunk: int):
