@@ -263,13 +263,10 @@ def _check_sinkhorn(hc_mult: int, sinkhorn_iters: int) -> None:
                          f"{hc_mult} and {sinkhorn_iters}")
 
 
-def _splits(width: int, programs_along_t: int = 1) -> tuple[int, int]:
-    """(K-splits, BLOCK_K blocks per split) of a token's flat streams ``width`` wide, none empty. With one program
-    per token (decode) the cut depends on the width alone; a prefill's tiles of tokens take just enough splits to
-    give the GPU ~``PREFILL_PROGRAMS`` programs."""
-    blocks = triton.cdiv(width, BLOCK_K)
-    wanted = MAX_SPLITS if programs_along_t == 1 else triton.cdiv(PREFILL_PROGRAMS, programs_along_t)
-    blocks_per_split = triton.cdiv(blocks, max(1, min(MAX_SPLITS, wanted)))
+def _splits(width: int, wanted: int = MAX_SPLITS) -> tuple[int, int]:
+    """(K-splits, BLOCK_K blocks per split) of a token's flat streams ``width`` wide, none empty, at most ``wanted``
+    of them (and MAX_SPLITS)."""
+    blocks_per_split = triton.cdiv(triton.cdiv(width, BLOCK_K), max(1, min(MAX_SPLITS, wanted)))
     return triton.cdiv(width, blocks_per_split * BLOCK_K), blocks_per_split
 
 
@@ -306,7 +303,8 @@ def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int, gemm_to
         flat = flat.contiguous()
     tiled = gemm_tokens is not None and tokens >= gemm_tokens
     tiles = triton.cdiv(tokens, PREFILL_TILE_T if tiled else BLOCK_T)
-    splits, blocks_per_split = _splits(width, tiles if tiled else 1)
+    # decode: a cut set by the width alone; a prefill: just enough splits for ~PREFILL_PROGRAMS programs
+    splits, blocks_per_split = _splits(width, triton.cdiv(PREFILL_PROGRAMS, tiles) if tiled else MAX_SPLITS)
     dots = torch.empty(tokens, splits, logits, dtype=torch.float32, device=streams.device)
     squares = torch.empty(tokens, splits, dtype=torch.float32, device=streams.device)
     args = (flat, flat.stride(0), fn, dots, squares, tokens, width)
