@@ -109,7 +109,8 @@ def _mix_tiles_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, 
                       M_PAD: tl.constexpr, TILE_T: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCKS_PER_SPLIT: tl.constexpr):
     """``_mix_partials_kernel``'s outputs for a prefill's many tokens: TILE_T tokens a program, their products with
-    fn's rows as fp32 tl.dot tiles (IEEE, not TF32), read from the bf16 streams without an fp32 copy."""
+    fn's rows as tl.dot tiles read from the bf16 streams without an fp32 copy. tf32x3 keeps fp32's accuracy (each
+    operand split into two TF32 parts, three tensor-core products) where IEEE fp32 would fall back to FMAs."""
     rows = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)
     rows_ok = rows < T
     split = tl.program_id(1)
@@ -122,7 +123,7 @@ def _mix_tiles_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, 
         x = tl.load(streams_ptr + rows.to(tl.int64)[:, None] * stride_st + cols[None, :],
                     mask=rows_ok[:, None] & in_row[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + m[:, None] * K + cols[None, :], mask=(m[:, None] < M) & in_row[None, :], other=0.0)
-        dots = tl.dot(x, tl.trans(w), dots, input_precision="ieee")
+        dots = tl.dot(x, tl.trans(w), dots, input_precision="tf32x3")
         squares += tl.sum(x * x, axis=1)
     at = rows.to(tl.int64) * tl.num_programs(1) + split
     tl.store(dots_ptr + at[:, None] * M + m[None, :], dots, mask=rows_ok[:, None] & (m[None, :] < M))
