@@ -156,7 +156,7 @@ if has prefill; then  # where an eager prefill's device time goes, and FlashMLA'
 fi
 if has grouped; then  # long prefills' experts through DeepGEMM's grouped GEMM: its tests, then against Triton's kernel
     stamp "grouped experts"
-    timeout 200 python -m pytest -q -x ${GROUPED_TESTS:-tests/test_nvidia_moe_grouped.py tests/test_nvidia_moe.py} 2>&1 \
+    timeout ${GROUPED_TESTS_TIMEOUT:-300} python -m pytest -q -x ${GROUPED_TESTS:-tests/test_nvidia_moe_grouped.py tests/test_nvidia_moe.py} 2>&1 \
         | tee "$out/tests_grouped.txt" | tail -4
     timeout 300 python tools/gpu_kernels.py --grouped 2>&1 | grep -v INFO | tee "$out/kernels_grouped.json" | grep speedup
 fi
