@@ -155,9 +155,9 @@ def test_fp4_dequantization_is_exact(experts, rows, cols):
     codes, scales = zip(*(quantize_fp4((torch.randn(rows, cols, generator=g) * 4).to(DEVICE)) for _ in range(experts)))
     codes, scales = torch.stack(codes), torch.stack(scales)
     expected = torch.stack([dequantize_fp4(c, s, torch.bfloat16) for c, s in zip(codes, scales)])
-    assert torch.equal(moe_grouped.dequantize_fp4(codes, scales), expected)
+    assert torch.equal(moe_grouped.dequantize_fp4_experts(codes, scales), expected)
     scratch = torch.full((experts + 1, rows, cols), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    assert torch.equal(moe_grouped.dequantize_fp4(codes[1:], scales[1:], scratch), expected[1:])
+    assert torch.equal(moe_grouped.dequantize_fp4_experts(codes[1:], scales[1:], scratch), expected[1:])
 
 
 @pytest.mark.skipif(not CUDA or grouped_bf16_gemm()[0] is None, reason="DeepGEMM on a GPU")
@@ -179,7 +179,7 @@ def test_fp4_dequantization_of_every_byte_at_extreme_scales():
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).repeat(len(exponents), 1)
     scales = exponents.repeat_interleave(16).view(len(exponents), 16).view(torch.float8_e8m0fnu)
     codes, scales = codes.view(1, len(exponents), 256).to(DEVICE), scales.view(1, len(exponents), 16).to(DEVICE)
-    ours = moe_grouped.dequantize_fp4(codes, scales)[0]
+    ours = moe_grouped.dequantize_fp4_experts(codes, scales)[0]
     expected = dequantize_fp4(codes[0], scales[0], torch.bfloat16)
     assert torch.equal(ours.view(torch.int16), expected.view(torch.int16))  # bit for bit: -0.0 and inf too
 

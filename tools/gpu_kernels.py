@@ -115,7 +115,7 @@ def prefill_experts() -> list[dict]:
                                         _stack(num, hidden, inter, fp4))
         weights = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, 32 if fp4 else 0)  # V4.1's 1 x 32 activation blocks
         if fp4:
-            us = triton.testing.do_bench(lambda: moe_grouped.dequantize_fp4(w1[:32], s1[:32])) * 1e3
+            us = triton.testing.do_bench(lambda: moe_grouped.dequantize_fp4_experts(w1[:32], s1[:32])) * 1e3
             written = 32 * inter * hidden * 2
             rows.append({"mxfp4_dequantization_32_experts_us": round(us), "GBps_read_plus_written":
                          round((written + written // 4 + written // 32) / us / 1e3)})

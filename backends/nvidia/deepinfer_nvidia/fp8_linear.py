@@ -161,6 +161,7 @@ def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tenso
     segments = min(triton.next_power_of_2(num_blocks), max(1, values // block))
     tile_rows = min(triton.next_power_of_2(rows), max(1, values // (segments * block)))
     grid = (triton.cdiv(rows, tile_rows), triton.cdiv(num_blocks, segments))
+    # a round trip writes no scales: its s_ptr is never stored to
     _act_quant_kernel[grid](x, q, q if scales is None else scales, rows, cols, x.stride(0), q.stride(0), num_blocks,
                             BLOCK=block, ROWS=tile_rows, SEGMENTS=segments, NATIVE_FP8=_native_fp8(x.device),
                             ROUND_TRIP=scales is None)

@@ -215,8 +215,7 @@ def _blocks(topk_ids: torch.Tensor, experts: int, bm: int):
     """Expert-sorted assignment order and, per block of a grid sized from shapes alone, its expert, first sorted row
     and row count (0 for surplus blocks). Only device-side ops: no bincount or repeat_interleave, which sync."""
     device = topk_ids.device
-    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
-    first_row = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=device))  # of each expert's rows
+    sorted_ids, order, first_row = moe_blocks.expert_sorted(topk_ids, experts)
     counts = first_row.diff()
     per_expert = (counts + bm - 1) // bm
     block_end = torch.cumsum(per_expert, 0)

@@ -72,6 +72,14 @@ def _blocks_kernel(ids_ptr, assignments, experts, num_blocks, order_ptr, token_o
         b0 += CHUNK
 
 
+def expert_sorted(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted_ids, order, first_row)``: the flattened assignments' experts sorted stably, the permutation that
+    sorts them, and each expert's first sorted row plus the total ([experts + 1]); device ops only."""
+    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
+    first_row = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=topk_ids.device))
+    return sorted_ids, order, first_row
+
+
 def serves(assignments: int) -> bool:
     return assignments <= MAX_ASSIGNMENTS
 

@@ -58,8 +58,7 @@ def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int, chunk: i
     per-expert padded layout; each padded row's expert counted from its chunk of ``chunk`` experts (int32, -1 on
     padding); and the first padded row of each expert and the total, on the host (the one synchronisation)."""
     flat = topk_ids.flatten()
-    sorted_ids, order = torch.sort(flat, stable=True)
-    first_row = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=flat.device))
+    sorted_ids, order, first_row = moe_blocks.expert_sorted(topk_ids, experts)
     padded = (first_row.diff() + align - 1) // align * align
     padded_bounds = torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
     rank_in_expert = torch.arange(flat.numel(), device=flat.device) - first_row[sorted_ids]
@@ -103,7 +102,7 @@ def _dequant_fp4_kernel(codes_ptr, scales_ptr, out_ptr, rows, rows_per_expert, s
     tl.store(out_ptr + row.to(tl.int64)[:, None] * HALF_K + offs[None, :], words, mask=ok)
 
 
-def dequantize_fp4(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_fp4_experts(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed MXFP4 experts ``codes`` [E, N, K/2] (int8, unit column stride) with e8m0 ``scales`` [E, N, K/32] ->
     bf16 [E, N, K], exact (written into ``out``'s first E experts when given)."""
     experts, rows, half = codes.shape
@@ -133,13 +132,13 @@ def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_e
     block = weights.activation_block
     a = fp8_rounded(x.contiguous(), block) if fp4 else x.to(torch.bfloat16)
     stacked = torch.empty(len(layout), a.shape[1], dtype=torch.bfloat16, device=x.device)
-    stacked[padded_row] = a.repeat_interleave(top_k, 0)
+    stacked[padded_row.view(-1, top_k)] = a.unsqueeze(1)  # each token's row into its top-k slots
     inter, hidden = w2.shape[2] * (2 if fp4 else 1), w2.shape[1]
     gate, up = (torch.empty(len(layout), inter, dtype=torch.bfloat16, device=x.device) for _ in range(2))
     scratch = torch.empty(chunk, inter, hidden, dtype=torch.bfloat16, device=x.device) if fp4 else None
     for first, last, lo, hi in chunks:
         for w, scale, out in ((w1, weights.w1_scale, gate), (w3, weights.w3_scale, up)):
-            b = dequantize_fp4(w[first:last], scale[first:last], scratch) if fp4 else w
+            b = dequantize_fp4_experts(w[first:last], scale[first:last], scratch) if fp4 else w
             gemm(stacked[lo:hi], b, out[lo:hi], layout[lo:hi])
     h = activation.swiglu(gate, up, weights.swiglu_limit)
     if fp4:
@@ -147,6 +146,6 @@ def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_e
         scratch = scratch.view(chunk, hidden, inter)  # w2's shape, the same bytes
     down = torch.empty(len(layout), hidden, dtype=torch.bfloat16, device=x.device)
     for first, last, lo, hi in chunks:
-        b = dequantize_fp4(w2[first:last], weights.w2_scale[first:last], scratch) if fp4 else w2
+        b = dequantize_fp4_experts(w2[first:last], weights.w2_scale[first:last], scratch) if fp4 else w2
         gemm(h[lo:hi], b, down[lo:hi], layout[lo:hi])
     return moe_blocks.combine(down[padded_row], topk_weights, x.dtype)
