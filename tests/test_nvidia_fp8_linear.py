@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidi
 from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.fp8_linear import (SPLIT_MAX_ROWS, TritonLinear, _programs_wanted, act_quant,  # noqa: E402
-                                         fp8_rounded, split_count)
+                                         act_quant_pairs_apart, fp8_rounded, split_count)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (tokens, out, in, block): V4's 128 tiles and V4.1's 32 tiles, ragged edges, decode and prefill sizes
@@ -66,6 +66,20 @@ def test_act_quant_tiles_cover_partial_segments_and_rows(tokens, cols, block):
     assert torch.equal(q.float() * scales.repeat_interleave(block, 1)[:, :cols], round_fp8(x, block))
     # the same values as bf16 in one pass (exact: e4m3 values times powers of two), for bf16 GEMMs
     assert torch.equal(fp8_rounded(x, block), round_fp8(x, block).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tokens, cols, block", [(1, 64, 32), (7, 96, 32), (70, 4160, 128)])
+def test_act_quant_pairs_apart_holds_each_32_columns_even_then_odd(tokens, cols, block):
+    """The MXFP4 experts' activations: act_quant's values (fp16, exact) with each 32 columns' even ones first."""
+    x = _inputs(tokens, cols, seed=cols + 1)
+    _poison()
+    q, scales = act_quant_pairs_apart(x, block)
+    expected_q, expected_scales = act_quant(x, block)
+    pairs = expected_q.float().view(tokens, cols // 32, 16, 2)
+    assert q.dtype == torch.float16 and torch.equal(scales, expected_scales)
+    assert torch.equal(q.float(), torch.cat([pairs[..., 0], pairs[..., 1]], -1).view(tokens, cols))
+    with pytest.raises(ValueError, match="32-column"):
+        act_quant_pairs_apart(x[:, :48], 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,7 @@
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
-# TESTS narrows `tests` to given files; IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
+# TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz.
 set -uo pipefail
@@ -54,7 +54,7 @@ export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
 if has tests; then
     stamp tests
     # TESTS narrows the list (a rerun of what failed)
-    timeout 420 python -m pytest -q -x ${TESTS:-tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
+    timeout ${TESTS_TIMEOUT:-420} python -m pytest -q -x ${TESTS:-tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
         tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py \
         tests/test_fp8_kv_cache.py tests/test_speculative_decoding.py tests/test_dspark.py} 2>&1 | tee "$out/tests.txt" | tail -15
 fi

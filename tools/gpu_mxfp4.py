@@ -1,17 +1,21 @@
-"""MXFP4 routed experts on the GPU: each decode strategy of ``deepinfer_nvidia.moe`` checked against the torch
-reference and timed at V4.1-Flash shapes (hidden 5120, intermediate 2304, top-6 of 384 experts), printed as JSON.
+"""MXFP4 routed experts on the GPU: ``deepinfer_nvidia.moe`` checked against the torch reference and timed at
+V4.1-Flash shapes (hidden 5120, intermediate 2304, top-6 of 384 experts, activations rounded in 1 x 32 blocks),
+printed as JSON lines.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_mxfp4.py
+    PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools python tools/gpu_mxfp4.py [--peer MODULE]
 
-The kernel decodes e2m1 codes into fp16 by bit placement and runs two K=16 MMAs per 32-column block, rescaling the
-accumulator per block; ``moe.PACKED_E2M1_DECODE`` picks how the codes are decoded: int16 ops per value (``int16``)
-or two values at a time with packed 32-bit ops in inline PTX (``packed``, the default). Each call is captured in a
-CUDA graph and its replays timed (median of do_bench, L2 flushed); GB/s counts the bytes of the experts the routing
-touches (packed weights and their scales), each once.
+Each strategy (``STRATEGIES``) sets some of ``moe``'s switches (scales read four to a word or a byte at a time).
+``--peer`` also times another module's
+``TritonMoE`` in the same run (say, a copy of the previous commit's ``moe.py`` saved as
+``deepinfer_nvidia/moe_previous.py`` for the run). Each call is captured in a CUDA graph and its replays timed
+(median of do_bench, L2 flushed); GB/s counts the bytes of the experts the routing touches (packed weights and their
+scales), each once.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 
 import torch
@@ -24,7 +28,9 @@ from gpu_kernels import _graph_us  # tools/: a call captured in a CUDA graph, it
 
 DEVICE = torch.device("cuda")
 HIDDEN, INTER, EXPERTS, TOP_K = 5120, 2304, 384, 6
-CASES = {"batch 1": (1, TOP_K), "batch 16": (16, TOP_K), "batch 64": (64, TOP_K), "prefill 2048": (2048, TOP_K)}
+CASES = {"batch 1": (1, TOP_K), "batch 64": (64, TOP_K), "batch 16": (16, TOP_K), "prefill 2048": (2048, TOP_K)}
+ACTIVATION_BLOCK = 32  # V4.1's weight_block_size (V4's is 128)
+STRATEGIES = {"this kernel": {}, "scales a byte at a time": {"WORD_SCALES": False}}
 
 
 def _stack(rows: int, cols: int):
@@ -33,34 +39,56 @@ def _stack(rows: int, cols: int):
     return torch.stack(packed), torch.stack(scales)
 
 
-def main() -> dict:
+# a subset of moe.FP4_TILE_SHAPES: every strategy is tuned afresh, and a device call has minutes
+TILE_SHAPES = [(32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (16, 128, 4, 4)]
+
+
+def _time(moe, x, ids, topk_weights, weights, expected) -> dict:
+    try:
+        got = moe.routed_experts(x, ids, topk_weights, weights).float()
+        err = float((got - expected).abs().max() / expected.abs().max())
+        return {"us": round(_graph_us(lambda: moe.routed_experts(x, ids, topk_weights, weights)), 1),
+                "max_err_rel": round(err, 5)}
+    except Exception as exc:  # noqa: BLE001 (a failing strategy is recorded, the others still run)
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def main(peer: str | None) -> dict:
     torch.manual_seed(0)
+    moe_module.FP4_TILE_SHAPES = TILE_SHAPES
     (w1, s1), (w3, s3), (w2, s2) = _stack(INTER, HIDDEN), _stack(INTER, HIDDEN), _stack(HIDDEN, INTER)
-    weights = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, 128)
+    weights = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, ACTIVATION_BLOCK)
     per_expert = sum(t[0].numel() * t.element_size() for t in (w1, w3, w2, s1, s3, s2))
-    moe, reference = moe_module.TritonMoE(reference=None), TorchMoE()
+    reference = TorchMoE()
+    contenders = {name: (moe_module, switches) for name, switches in STRATEGIES.items()}
+    if peer:
+        peer_module = importlib.import_module(peer)
+        peer_module.FP4_TILE_SHAPES = TILE_SHAPES
+        contenders[f"peer: {peer}"] = (peer_module, {})
+    defaults = {name: getattr(moe_module, name) for switches in STRATEGIES.values() for name in switches}
     rows = []
-    for name, (tokens, top_k) in CASES.items():
+    for case, (tokens, top_k) in CASES.items():
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
         ids = torch.rand(tokens, EXPERTS, device=DEVICE).argsort(1)[:, :top_k]
         topk_weights = torch.rand(tokens, top_k, device=DEVICE)
         expected = reference.routed_experts(x, ids, topk_weights, weights).float()
         touched = int(ids.unique().numel()) * per_expert
-        row = {"case": name, "tokens": tokens, "experts_touched": touched // per_expert, "GB": round(touched / 1e9, 3)}
-        for strategy, packed in (("int16", False), ("packed", True)):
-            moe_module.PACKED_E2M1_DECODE = packed
-            try:
-                got = moe.routed_experts(x, ids, topk_weights, weights).float()
-                err = float((got - expected).abs().max() / expected.abs().max())
-                us = _graph_us(lambda: moe.routed_experts(x, ids, topk_weights, weights))
-                row[strategy] = {"us": round(us, 1), "GBps": round(touched / us / 1e3), "max_err_rel": round(err, 5)}
-            except Exception as exc:  # noqa: BLE001 (a failing strategy is recorded, the others still run)
-                row[strategy] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    moe_module.PACKED_E2M1_DECODE = True
+        for name, (module, switches) in contenders.items():
+            for attribute, value in defaults.items():
+                setattr(moe_module, attribute, switches.get(attribute, value))
+            row = {"case": case, "strategy": name, "tokens": tokens, "experts_touched": touched // per_expert,
+                   "GB": round(touched / 1e9, 3)}
+            row |= _time(module.TritonMoE(reference=None), x, ids, topk_weights, weights, expected)
+            if "us" in row:
+                row["GBps"] = round(touched / row["us"] / 1e3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for attribute, value in defaults.items():
+        setattr(moe_module, attribute, value)
     return {"device": torch.cuda.get_device_name(), "rows": rows}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(), indent=1))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peer", help="a module whose TritonMoE is timed alongside (the previous kernel)")
+    main(parser.parse_args().peer)

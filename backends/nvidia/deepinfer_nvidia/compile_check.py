@@ -22,6 +22,8 @@ ATTENTION_POINTERS = {"q_ptr": "*bf16", "ia_ptr": "*i64", "ib_ptr": "*i64", "sin
 EXPERT_POINTERS = {"a_rows_ptr": "*i32", "out_ptr": "*fp32", "out_rows_ptr": "*i32", "block_expert_ptr": "*i32",
                    "block_start_ptr": "*i32", "block_rows_ptr": "*i32"}
 
+ROUNDING = {"ROWS": 1, "SEGMENTS": 32, "NATIVE_FP8": True, "ROUND_TRIP": False, "PAIRS_APART": False}
+
 CASES = {
     "fp8 gemm": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                                                 "sw_ptr": "*fp32", "y_ptr": "*bf16"},
@@ -34,10 +36,13 @@ CASES = {
     "fp8 split sum": (fp8_linear._sum_splits_kernel, {"partial_ptr": "*fp32", "y_ptr": "*bf16"},
                       {"SPLITS": 6, "BLOCK": 1024}),
     "activation quant": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-                         {"BLOCK": 32, "ROWS": 8, "SEGMENTS": 16, "NATIVE_FP8": True, "ROUND_TRIP": False}),
+                         ROUNDING | {"BLOCK": 32, "ROWS": 8, "SEGMENTS": 16}),
     "activation fp8 round trip": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*bf16",
                                                                  "s_ptr": "*bf16"},
-                                  {"BLOCK": 128, "ROWS": 1, "SEGMENTS": 32, "NATIVE_FP8": True, "ROUND_TRIP": True}),
+                                  ROUNDING | {"BLOCK": 128, "ROUND_TRIP": True}),
+    "activation quant, pairs apart": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp16",
+                                                                     "s_ptr": "*fp32"},
+                                      ROUNDING | {"BLOCK": 32, "PAIRS_APART": True}),
     "attention bf16": (attention._attention_kernel,
                        {**ATTENTION_POINTERS, "a_ptr": "*bf16", "a_bytes_ptr": "*bf16", "b_ptr": "*bf16",
                         "b_bytes_ptr": "*bf16"},
@@ -58,12 +63,14 @@ CASES = {
                 {"D": 128, "BLOCK_H": 64, "BLOCK_C": 64, "TILES": 4, "NATIVE": True, "PRECISION": "tf32"}),
     "fp8 cache store": (kv_store._fp8_store_kernel, {"rows_ptr": "*bf16", "slots_ptr": "*i64", "fp8_ptr": "*fp8e4nv",
                                                     "bytes_ptr": "*u8"}, {}),
-    **{f"mxfp4 experts, {name} decode": (
+    **{f"mxfp4 experts, {name}": (
         moe._fp4_experts_kernel,
-        {**EXPERT_POINTERS, "a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "w_ptr": "*i8", "v_ptr": "*i8", "sw_ptr": "*u8",
-         "sv_ptr": "*u8"},
-        {"K": 4096, "ACT_BLOCK": 128, "BLOCK_M": 16, "BN": 64, "BK": 128, "SWIGLU": True, "NATIVE": True,
-         "PACKED": packed}) for name, packed in (("int16", False), ("packed", True))},
+        {**EXPERT_POINTERS, "a_ptr": "*fp16", "sa_ptr": "*fp32", "w_ptr": "*i8", "v_ptr": "*i8",
+         "sw_ptr": "*i32" if words else "*u8", "sv_ptr": "*i32" if words else "*u8"},
+        {"K": 4096, "ACT_BLOCK": 128, "BLOCK_M": rows, "BN": 64, "BK": 128, "SWIGLU": True, "NATIVE": True,
+         "PACKED": packed, "WORD_SCALES": words})
+        for name, packed, rows, words in (("int16 decode", False, 16, False), ("packed decode", True, 16, False),
+                                          ("scale words", True, 16, True), ("64-row blocks", True, 64, True))},
     "float experts": (moe._float_experts_kernel, {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*bf16",
                                                   "v_ptr": "*bf16"},
                       {"K": 4096, "BLOCK_M": 64, "BN": 64, "BK": 64, "SWIGLU": True, "NATIVE": True}),

@@ -63,9 +63,11 @@ def _e4m3_values(x, scale, NATIVE_FP8: tl.constexpr):
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_blocks, BLOCK: tl.constexpr,
                       ROWS: tl.constexpr, SEGMENTS: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                      ROUND_TRIP: tl.constexpr = False):
+                      ROUND_TRIP: tl.constexpr = False, PAIRS_APART: tl.constexpr = False):
     """ROWS rows x SEGMENTS segments of BLOCK columns per program, each segment scaled on its own. ROUND_TRIP:
-    ``q`` gets the rounded values times their scales, in its own dtype (exact in bf16), and no scales."""
+    ``q`` gets the rounded values times their scales, in its own dtype (exact in bf16), and no scales.
+    PAIRS_APART: each 32 columns of ``q`` hold their even columns, then their odd ones (what the MXFP4 experts'
+    MMAs read: a packed weight byte holds an even and an odd column's codes)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     segments = tl.program_id(1) * SEGMENTS + tl.arange(0, SEGMENTS)
     offs = segments[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [SEGMENTS, BLOCK] columns
@@ -77,7 +79,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_blocks,
     q = _e4m3_values(x, scale[:, :, None], NATIVE_FP8).to(tl.float8e4nv)
     if ROUND_TRIP:
         q = q.to(tl.float32) * scale[:, :, None]
-    tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_q + offs[None, :, :], q.to(q_ptr.dtype.element_ty),
+    stored = (offs // 32) * 32 + (offs % 2) * 16 + (offs % 32) // 2 if PAIRS_APART else offs
+    tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_q + stored[None, :, :], q.to(q_ptr.dtype.element_ty),
              mask=mask)
     if not ROUND_TRIP:
         tl.store(s_ptr + rows.to(tl.int64)[:, None] * num_blocks + segments[None, :], scale,
@@ -152,7 +155,8 @@ def _sum_splits_kernel(partial_ptr, y_ptr, size, SPLITS: tl.constexpr, BLOCK: tl
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tensor | None) -> None:
+def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tensor | None,
+               pairs_apart: bool = False) -> None:
     rows, cols = x.shape
     num_blocks = triton.cdiv(cols, block)
     if not rows:
@@ -164,7 +168,7 @@ def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tenso
     # a round trip writes no scales: its s_ptr is never stored to
     _act_quant_kernel[grid](x, q, q if scales is None else scales, rows, cols, x.stride(0), q.stride(0), num_blocks,
                             BLOCK=block, ROWS=tile_rows, SEGMENTS=segments, NATIVE_FP8=_native_fp8(x.device),
-                            ROUND_TRIP=scales is None)
+                            ROUND_TRIP=scales is None, PAIRS_APART=pairs_apart)
 
 
 def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,6 +177,17 @@ def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(rows, triton.cdiv(cols, block), dtype=torch.float32, device=x.device)
     _act_quant(x, block, q, scales)
+    return q, scales
+
+
+def act_quant_pairs_apart(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act_quant``'s values as fp16 (exact), each 32 columns' even ones first, then the odd ones."""
+    if x.shape[1] % 32:
+        raise ValueError(f"{x.shape[1]} columns are not whole 32-column blocks")
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=torch.float16, device=x.device)
+    scales = torch.empty(rows, triton.cdiv(cols, block), dtype=torch.float32, device=x.device)
+    _act_quant(x, block, q, scales, pairs_apart=True)
     return q, scales
 
 

@@ -15,14 +15,15 @@ w1 and w3 share one launch: each block reads its activation tile once for both w
 
 MXFP4: Hopper has no FP4 tensor cores, so each byte of two e2m1 codes is decoded by moving bits into two fp16
 values (the codes times 2^-14), the low nibbles being the even columns and the high ones the odd; on the GPU
-``_e2m1_pairs`` does it for two values per 32-bit operation in inline PTX (1.05-1.16x faster than
-``_e2m1_scaled``'s int16 ops per value, which Triton's interpreter runs).
-The FP8-rounded activations (exact in fp16) are split the same way, and each 32-column block is two fp16 MMAs with
-fp32 accumulation, scaled once by its weight scale (one power of two per 32 columns and row), the activation's
-and 2^14. Every product is exact, so the result is the reference's up to fp32 summation order. The decode is what
-bounds this kernel (a few integer ops per weight value against one byte read per two), and a decode step has few
-(expert, column tile) programs, so its tile sizes, warps and pipeline depth are autotuned per (N, K, rows per
-block), in the eager run that precedes a graph capture.
+``_e2m1_pairs`` does it for two values per 32-bit operation in inline PTX (seven integer ops per four values;
+Triton's interpreter runs ``_e2m1_scaled``'s int16 ops per value instead). The FP8-rounded activations come from
+``act_quant_pairs_apart`` as fp16 (exact), each 32 columns' even ones first, so the kernel loads the two halves
+each MMA reads as they are; each 32-column block is two fp16 MMAs with fp32 accumulation, scaled once by its
+weight scale (one power of two per 32 columns and row, read four to an int32 word and made fp32 by moving bits),
+the activation's and 2^14. Every product is exact, so the result is the reference's up to fp32 summation order.
+Integer work per weight value is what bounds this kernel (about six instructions per value in the compiled loop,
+against half a byte read), and a decode step has few (expert, column tile) programs, so its tile sizes, warps and
+pipeline depth are autotuned per (N, K, rows per block), in the eager run that precedes a graph capture.
 
 Float weights: the reference (``project``) multiplies in fp32. Here activations are rounded to the weight's dtype
 for its tensor cores, with fp32 accumulation; for bf16/fp16 weights that rounds SwiGLU's fp32 output (and ``x`` if
@@ -41,7 +42,7 @@ import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import activation, moe_blocks, moe_grouped, routing
-from deepinfer_nvidia.fp8_linear import act_quant
+from deepinfer_nvidia.fp8_linear import act_quant_pairs_apart
 
 logger = init_logger(__name__)
 
@@ -67,19 +68,20 @@ def _e2m1_scaled(nibble_bits, SIGN_SHIFT: tl.constexpr, MAGNITUDE_SHIFT: tl.cons
 
 
 # PTX for four packed bytes -> their four low-nibble (even-column) and four high-nibble (odd-column) codes as fp16x2
-# words, times 2^-14 as _e2m1_scaled places them: a byte permute spreads two bytes to the halves of a word, then
-# each code's magnitude bits and sign move into place for two values at a time (about 2.25 integer ops per value
-# against ~6 for _e2m1_scaled's int16 ops, which Triton's interpreter runs instead).
+# words, times 2^-14 as _e2m1_scaled places them: a byte permute puts two bytes in the high bytes of a word's
+# halves, where a high nibble's sign bit already is fp16's; each code's magnitude bits (and a low nibble's sign)
+# then move into place for two values at a time: seven integer ops per four values, which Triton's interpreter
+# cannot run (it runs _e2m1_scaled's int16 ops instead).
 _E2M1_PAIRS_PTX = tl.constexpr("""
 {
 .reg .b32 z, t0, t1, m, s;
 mov.b32 z, 0;
-prmt.b32 t0, $4, z, 0x4140;
-prmt.b32 t1, $4, z, 0x4342;
-shl.b32 m, t0, 9; and.b32 m, m, 0x0E000E00; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000; or.b32 $0, m, s;
-shl.b32 m, t1, 9; and.b32 m, m, 0x0E000E00; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000; or.b32 $1, m, s;
-shl.b32 m, t0, 5; and.b32 m, m, 0x0E000E00; shl.b32 s, t0, 8; and.b32 s, s, 0x80008000; or.b32 $2, m, s;
-shl.b32 m, t1, 5; and.b32 m, m, 0x0E000E00; shl.b32 s, t1, 8; and.b32 s, s, 0x80008000; or.b32 $3, m, s;
+prmt.b32 t0, $4, z, 0x1404;
+prmt.b32 t1, $4, z, 0x3424;
+shl.b32 m, t0, 1; and.b32 m, m, 0x0E000E00; shl.b32 s, t0, 4; and.b32 s, s, 0x80008000; or.b32 $0, m, s;
+shl.b32 m, t1, 1; and.b32 m, m, 0x0E000E00; shl.b32 s, t1, 4; and.b32 s, s, 0x80008000; or.b32 $1, m, s;
+shr.b32 m, t0, 3; and.b32 m, m, 0x0E000E00; and.b32 s, t0, 0x80008000; or.b32 $2, m, s;
+shr.b32 m, t1, 3; and.b32 m, m, 0x0E000E00; and.b32 s, t1, 0x80008000; or.b32 $3, m, s;
 }
 """)
 
@@ -98,23 +100,36 @@ def _e8m0(ptrs, ok):
 
 
 @triton.jit
-def _fp4_block(acc, a, sa, w_ptrs, sw, n_ok, NATIVE: tl.constexpr, PACKED: tl.constexpr):
-    """``acc`` plus one 32-column block: ``a`` [BM, 32] (e4m3 values) times 32 packed columns of BN weight rows,
-    scaled by the activation's ``sa`` [BM] and the weights' ``sw`` [BN] powers of two (with the 2^14 the decode
-    leaves out). The low nibbles are the even columns, the high ones the odd: two K=16 MMAs on split activations
-    instead of interleaving the decoded values."""
-    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], 16, 2)))
-    if NATIVE and PACKED:
+def _e8m0_of_word(words, BYTE: tl.constexpr):
+    """fp32 powers of two from byte BYTE of int32 words holding four e8m0 exponents: the byte is fp32's exponent
+    field, and exponent 0 (2^-127) fp32's subnormal bit 22, which the max gives (integer ops; exp2 would take the
+    special-function unit, and a byte load per scale the load unit)."""
+    bits = ((words >> (8 * BYTE)) & 0xFF) << 23
+    return tl.maximum(bits, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_halves(w_ptrs, n_ok, PACKED: tl.constexpr):
+    """(even, odd) fp16 codes times 2^-14 of 32 packed columns of BN weight rows [BN, 16]."""
+    if PACKED:
         even, odd = _e2m1_pairs(tl.load(w_ptrs, mask=n_ok[:, None], other=0))
     else:  # Triton's interpreter runs no PTX
         packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0).to(tl.int16)  # [BN, 16]
         even = _e2m1_scaled(packed, 0, 9)
         odd = _e2m1_scaled(packed, 4, 5)
-    if NATIVE:  # fp16 tensor cores (subnormals kept), fp32 accumulation; e4m3 values are exact in fp16
-        part = tl.dot(a_odd.to(tl.float16), tl.trans(odd), tl.dot(a_even.to(tl.float16), tl.trans(even)))
-    else:  # the interpreter: the same values in fp32
-        part = tl.dot(a_odd.to(tl.float32), tl.trans(odd.to(tl.float32)),
-                      tl.dot(a_even.to(tl.float32), tl.trans(even.to(tl.float32))))
+    return even, odd
+
+
+@triton.jit
+def _fp4_block(acc, a_even, a_odd, sa, w_ptrs, sw, n_ok, NATIVE: tl.constexpr, PACKED: tl.constexpr):
+    """``acc`` plus one 32-column block: activations [R, 16] (e4m3 values in fp16), even columns and odd ones,
+    times 32 packed columns of BN weight rows, scaled by the activation's ``sa`` [R] and the weights' ``sw`` [BN]
+    powers of two (with the 2^14 the decode leaves out). The low nibbles are the even columns, the high ones the odd:
+    two K=16 MMAs instead of interleaving the decoded values."""
+    even, odd = _e2m1_halves(w_ptrs, n_ok, PACKED and NATIVE)
+    if not NATIVE:  # the interpreter: the same values in fp32
+        a_even, a_odd, even, odd = a_even.to(tl.float32), a_odd.to(tl.float32), even.to(tl.float32), odd.to(tl.float32)
+    part = tl.dot(a_odd, tl.trans(odd), tl.dot(a_even, tl.trans(even)))
     return acc + part * (sa * 16384.0)[:, None] * sw[None, :]
 
 
@@ -157,11 +172,45 @@ def _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr, N, BLOCK_M
 
 
 @triton.jit
+def _fp4_rows(a_ptr, sa_ptr, rows, m_ok, w_ptr, v_ptr, sw_ptr, sv_ptr, w_tile, s_tile, n_ok, stride_a, stride_sa,
+              K: tl.constexpr, ACT_BLOCK: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              SWIGLU: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr, WORD_SCALES: tl.constexpr):
+    """(a W^T, a V^T) [R, BN] in fp32 for the R rows ``rows`` of ``a`` (masked by ``m_ok``; fp16 e4m3 values, each 32
+    columns' even ones first: ``act_quant_pairs_apart``). With WORD_SCALES the
+    scale pointers address int32 words of four e8m0 exponents (128 columns), else bytes."""
+    acc = tl.zeros((R, BN), dtype=tl.float32)
+    up = tl.zeros((R, BN), dtype=tl.float32)
+    for tile in range(K // BK):
+        for block in tl.static_range(BK // 32):  # each 32 columns: one weight scale per row, the sum scaled once
+            k0 = tile * BK + block * 32
+            if WORD_SCALES and block % 4 == 0:
+                w_words = tl.load(sw_ptr + s_tile + k0 // 128, mask=n_ok, other=0x7F7F7F7F)
+                if SWIGLU:
+                    v_words = tl.load(sv_ptr + s_tile + k0 // 128, mask=n_ok, other=0x7F7F7F7F)
+            a_ptrs = a_ptr + rows[:, None] * stride_a + k0 + tl.arange(0, 16)[None, :]  # each 32: even, then odd
+            a_even = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            a_odd = tl.load(a_ptrs + 16, mask=m_ok[:, None], other=0.0)
+            sa = tl.load(sa_ptr + rows * stride_sa + k0 // ACT_BLOCK, mask=m_ok, other=0.0)
+            if WORD_SCALES:
+                sw = _e8m0_of_word(w_words, block % 4)
+            else:
+                sw = _e8m0(sw_ptr + s_tile + k0 // 32, n_ok)
+            acc = _fp4_block(acc, a_even, a_odd, sa, w_ptr + w_tile + k0 // 2, sw, n_ok, NATIVE, PACKED)
+            if SWIGLU:
+                if WORD_SCALES:
+                    sv = _e8m0_of_word(v_words, block % 4)
+                else:
+                    sv = _e8m0(sv_ptr + s_tile + k0 // 32, n_ok)
+                up = _fp4_block(up, a_even, a_odd, sa, v_ptr + w_tile + k0 // 2, sv, n_ok, NATIVE, PACKED)
+    return acc, up
+
+
+@triton.jit
 def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, out_rows_ptr,
                         block_expert_ptr, block_start_ptr, block_rows_ptr, N, limit, stride_a, stride_sa, stride_we,
                         stride_wn, stride_swe, stride_swn, stride_out, K: tl.constexpr, ACT_BLOCK: tl.constexpr,
                         BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
-                        NATIVE: tl.constexpr, PACKED: tl.constexpr):
+                        NATIVE: tl.constexpr, PACKED: tl.constexpr, WORD_SCALES: tl.constexpr):
     """out = a W^T for one block of rows and BN columns; with SWIGLU, swiglu(a W^T, a V^T)."""
     count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
@@ -170,19 +219,8 @@ def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr,
                                                                   N, BLOCK_M, BN)
     w_tile = expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     s_tile = expert * stride_swe + offs_n * stride_swn
-    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
-    for tile in range(K // BK):
-        for block in tl.static_range(BK // 32):  # each 32 columns: one weight scale per row, the sum scaled once
-            k0 = tile * BK + block * 32
-            a = tl.load(a_ptr + rows[:, None] * stride_a + k0 + tl.arange(0, 32)[None, :], mask=m_ok[:, None],
-                        other=0.0)
-            sa = tl.load(sa_ptr + rows * stride_sa + k0 // ACT_BLOCK, mask=m_ok, other=0.0)
-            acc = _fp4_block(acc, a, sa, w_ptr + w_tile + k0 // 2, _e8m0(sw_ptr + s_tile + k0 // 32, n_ok), n_ok,
-                             NATIVE, PACKED)
-            if SWIGLU:
-                up = _fp4_block(up, a, sa, v_ptr + w_tile + k0 // 2, _e8m0(sv_ptr + s_tile + k0 // 32, n_ok), n_ok,
-                                NATIVE, PACKED)
+    acc, up = _fp4_rows(a_ptr, sa_ptr, rows, m_ok, w_ptr, v_ptr, sw_ptr, sv_ptr, w_tile, s_tile, n_ok, stride_a,
+                        stride_sa, K, ACT_BLOCK, BLOCK_M, BN, BK, SWIGLU, NATIVE, PACKED, WORD_SCALES)
     _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
 
 
@@ -237,19 +275,24 @@ def _grid(blocks, n):
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# (BN, BK, warps, stages) the MXFP4 kernel's tuner times
+FP4_TILE_SHAPES = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (32, 256, 4, 2),
+                   (64, 256, 8, 2), (16, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3)]
+
+
 @functools.cache
 def _tuned_fp4_experts():
     """The MXFP4 kernel autotuned once per (N, K, rows per block, fused w1/w3): column tile, K tile, warps,
     stages."""
-    shapes = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (32, 256, 4, 2),
-              (64, 256, 8, 2), (16, 128, 4, 4)]
-    configs = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in shapes]
+    configs = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in FP4_TILE_SHAPES]
 
     def fitting(configs, named_args, **kwargs):  # K tiles must divide K; K is a keyword (constexpr) argument
         k = kwargs["K"]  # a multiple of 32, the MXFP4 block
-        return [c for c in configs if k % c.kwargs["BK"] == 0] or [triton.Config({"BN": 32, "BK": 32}, num_warps=4)]
+        step = 128 if kwargs["WORD_SCALES"] else 32  # a tile reads whole words of four scales
+        return ([c for c in configs if k % c.kwargs["BK"] == 0 and c.kwargs["BK"] % step == 0]
+                or [triton.Config({"BN": 32, "BK": step}, num_warps=4)])
 
-    return triton.autotune(configs=configs, key=["N", "K", "BLOCK_M", "SWIGLU", "PACKED"],
+    return triton.autotune(configs=configs, key=["N", "K", "BLOCK_M", "SWIGLU", "PACKED", "WORD_SCALES"],
                            prune_configs_by={"early_config_prune": fitting})(_fp4_experts_kernel)
 
 
@@ -259,35 +302,50 @@ def _tuned_fp4_experts():
 PINNED_FP4_TILES = {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
 
 
-# e2m1 codes decoded by _e2m1_pairs' packed PTX (True) or _e2m1_scaled's int16 ops; a switch for tools/gpu_mxfp4.py
+# Switches for tools/gpu_mxfp4.py: e2m1 codes decoded by _e2m1_pairs' packed PTX (True) or _e2m1_scaled's int16
+# ops; scales read four to a word where the rows allow it (True) or a byte at a time
 PACKED_E2M1_DECODE = True
+WORD_SCALES = True
+
+
+def _scale_words(scales: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The e8m0 scales [E, N, K/32] as int32 words of four, when their rows allow it."""
+    if not WORD_SCALES or k % 128 or scales.stride(-1) != 1 or scales.stride(0) % 4 or scales.stride(1) % 4:
+        return None
+    if scales.storage_offset() % 4 or scales.untyped_storage().data_ptr() % 4:
+        return None
+    return scales.view(torch.int32)
 
 
 def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, v=None, v_scale=None, limit=0.0,
                  pinned=False):
     """fp32 [len(out_rows), N]: rows of ``a`` (FP8-rounded here) times w, or swiglu of w and v when v is given."""
-    aq, sa = act_quant(a.contiguous(), activation_block)
-    n = w.shape[1]
+    aq, sa = act_quant_pairs_apart(a.contiguous(), activation_block)
+    n, k = w.shape[1], 2 * w.shape[2]
     out = torch.empty(len(out_rows), n, dtype=torch.float32, device=a.device)
     swiglu = v is not None
-    scales = w_scale.view(torch.uint8)  # read as exponents in the kernel: no fp32 copy of every expert's scales
-    v, v_scale = (v, v_scale.view(torch.uint8)) if swiglu else (w, scales)
+    # read as exponents in the kernel: no fp32 copy of every expert's scales
+    scales, v_scale = w_scale.view(torch.uint8), (v_scale if swiglu else w_scale).view(torch.uint8)
+    words = _scale_words(scales, k), _scale_words(v_scale, k)
+    word_scales = words[0] is not None and words[1] is not None
+    if word_scales:
+        scales, v_scale = words
+    v = v if swiglu else w
 
     def grid(meta):
         return len(blocks[0]), triton.cdiv(n, meta["BN"])
 
     # the interpreter cannot time configurations: it runs one
     if _INTERPRETED or a.device.type != "cuda":
-        kernel, tiles = _fp4_experts_kernel, {"BN": _grid(blocks, n)[1], "BK": 64 if w.shape[2] % 32 == 0 else 32}
+        kernel, tiles = _fp4_experts_kernel, {"BN": _grid(blocks, n)[1], "BK": 128 if k % 128 == 0 else 32}
     elif pinned:
-        k = 2 * w.shape[2]
         kernel, tiles = _fp4_experts_kernel, PINNED_FP4_TILES | {"BK": max(bk for bk in (128, 64, 32) if k % bk == 0)}
     else:
         kernel, tiles = _tuned_fp4_experts(), {}
     kernel[grid](aq, sa, a_rows, w, v, scales, v_scale, out, out_rows, *blocks, n, limit, aq.stride(0), sa.stride(0),
-                 w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), K=2 * w.shape[2],
+                 w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), K=k,
                  ACT_BLOCK=activation_block, BLOCK_M=bm, SWIGLU=swiglu, NATIVE=a.device.type == "cuda",
-                 PACKED=PACKED_E2M1_DECODE, **tiles)
+                 PACKED=PACKED_E2M1_DECODE, WORD_SCALES=word_scales, **tiles)
     return out
 
 
