@@ -1,0 +1,85 @@
+"""A model's decode roofline: the bytes one decode step reads at each batch size, and the tokens/s that reading them
+at a measured copy rate allows (no GPU needed: the model is built on the meta device).
+
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L
+    python tools/decode_roofline.py /tmp/v41flash8L --batch-sizes 1 64 --copy-gbps 4223
+
+Weights only, in the formats ``load_format="dummy"`` gives them (the checkpoint's: FP8 projections and MXFP4
+experts where its config says so). Per step:
+- every weight outside the routed experts, once; the token embedding and Engram's tables only in the rows the step
+  gathers;
+- each routed expert the step's routing touches, once: with uniform routing a layer of E experts, top-k, touches
+  E (1 - (1 - k/E)^B) of them on average at batch B (hash-routed layers spread tokens the same way).
+The KV cache a step reads is left out; at the 512-token contexts of BENCHMARKS.md it is a few MB per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from deepinfer.core.linear import quantizable_weights
+from deepinfer.core.tokenizer import load_tokenizer
+from deepinfer.core.weights import dummy_layout
+from deepinfer.models.registry import model_class, model_config
+from deepinfer.plugins.builtin.torch_attention import TorchAttention
+from deepinfer.plugins.builtin.torch_mhc import TorchMHC
+from deepinfer.plugins.builtin.torch_moe import TorchMoE
+
+
+def tensor_sizes(model_dir: Path) -> tuple[dict[str, tuple[int, int]], object]:
+    """(bytes, rows) of every tensor as ``load_format="dummy"`` stores it, by checkpoint name; and the config."""
+    config = model_config(model_dir)
+    dtype = getattr(torch, str(config.dtype).removeprefix("torch.")) if config.dtype else torch.bfloat16
+    with torch.device("meta"):
+        model = model_class(config)(config, TorchAttention(), TorchMoE(), TorchMHC(), dtype,
+                                    tokenizer=load_tokenizer(model_dir))
+    expected = model.expected_tensors()
+    quantizable = quantizable_weights(model, model.checkpoint_name) if config.quantization_config else set()
+    layout = dummy_layout(expected, quantizable, config.weight_block_size)
+    return {name: (torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size(), shape[0])
+            for name, (shape, dtype) in layout.items()}, config
+
+
+def step_bytes(sizes: dict[str, tuple[int, int]], config, batch: int) -> dict[str, float]:
+    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    touched = experts * (1 - (1 - top_k / experts) ** batch)
+    # Engram gathers one row per head and n-gram order (2..max) for each token
+    engram_rows = getattr(config, "engram_n_heads", 0) * (getattr(config, "engram_max_ngram_size", 1) - 1)
+    parts = {"routed experts": 0.0, "gathered rows": 0.0, "other weights": 0.0}
+    for name, (size, rows) in sizes.items():
+        if ".experts." in name:
+            parts["routed experts"] += size * touched / experts
+        elif name.startswith("embed."):
+            parts["gathered rows"] += size / rows * batch
+        elif ".engram.embed." in name:
+            parts["gathered rows"] += size / rows * batch * engram_rows
+        else:
+            parts["other weights"] += size
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--copy-gbps", type=float, default=4223.0,
+                        help="measured copy rate, read + write (the fifth GPU session's H200: 4223)")
+    args = parser.parse_args()
+    sizes, config = tensor_sizes(args.model_dir)
+    rows = []
+    for batch in args.batch_sizes:
+        parts = step_bytes(sizes, config, batch)
+        total = sum(parts.values())
+        rows.append({"batch": batch, "GB_per_step": round(total / 1e9, 3),
+                     **{f"{part} GB": round(value / 1e9, 3) for part, value in parts.items()},
+                     "roofline_ms": round(total / (args.copy_gbps * 1e6), 3),
+                     "roofline_tok_s": round(batch * args.copy_gbps * 1e9 / total, 1)})
+        print(json.dumps(rows[-1]))
+
+
+if __name__ == "__main__":
+    main()
