@@ -70,7 +70,8 @@ def test_draft_logits_and_confidence_match_nemo():
     inputs = DraftInputs(golden["token_ids"][anchors], anchors, torch.stack(contexts), torch.stack(positions))
     heads = drafter.draft(inputs, model.embed)
     for position in range(drafter.draft.block_size):
-        logits, confidence = drafter.draft.markov(golden["previous"][:, position], heads, position, model.head)
+        logits, confidence = drafter.draft.markov(golden["previous"][:, position], heads, position,
+                                                  model.project_vocab)
         expected = golden["draft_logits"][:, position]
         assert (logits - expected).abs().max() <= bound * expected.abs().max(), position
         assert torch.allclose(confidence, torch.sigmoid(golden["confidence_logits"][:, position]), atol=bound / 10)

@@ -54,6 +54,17 @@ def test_weights_stay_in_the_checkpoint_format(quantized):
     assert held == shipped > 0
 
 
+def test_the_v41_head_stays_as_shipped_and_logits_are_fp32():
+    """bf16 in a bf16 engine (no fp32 copy of the head); the backend's ``logits`` computes in fp32 from it."""
+    engine = LLM(str(FIXTURE), dtype="bfloat16").engine
+    head = engine.model.head.weight
+    assert head.dtype == torch.bfloat16
+    hidden = torch.randn(3, head.shape[1])
+    logits = engine.model.project_vocab(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden @ head.float().T, rtol=1e-6, atol=1e-6)
+
+
 def test_quantization_none_dequantizes_when_loading(quantized):
     plain = LLM(str(FIXTURE), dtype="float32", quantization="none")
     attn = plain.engine.model.layers[2].attn
@@ -65,10 +76,15 @@ def test_quantization_none_dequantizes_when_loading(quantized):
 class CountingLinear(TorchLinear):
     name = "counting-linear"
     calls = 0
+    logits_calls = 0
 
     def linear(self, *args):
         CountingLinear.calls += 1
         return super().linear(*args)
+
+    def logits(self, *args):
+        CountingLinear.logits_calls += 1
+        return super().logits(*args)
 
 
 class LinearPlugin:
@@ -82,6 +98,7 @@ def test_hook_deepinfer_linear_backend(quantized, caplog):
     with registered(LinearPlugin(), "counting"):
         assert _tokens(LLM(str(FIXTURE), dtype="float32")) == expected
     assert CountingLinear.calls > 0
+    assert CountingLinear.logits_calls > 0  # V4.1's vocabulary projection too
     assert "linear backend: counting-linear (plugin counting)" in caplog.text
     modules = [m for m in quantized.engine.model.modules() if isinstance(m, Linear)]
     assert modules and all(type(m.backend) is TorchLinear for m in modules if m.scale is not None)

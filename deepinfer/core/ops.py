@@ -16,6 +16,19 @@ def project(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, a
     return blockwise_linear(x.float(), weight, scale, activation_block)
 
 
+_UPCAST_ROWS = 1 << 13  # weight rows upcast at a time: an fp32 slab, never a whole head's fp32 copy
+
+
+def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden W^T`` in fp32 with ``weight`` upcast a slab of rows at a time (``LinearBackend.logits``)."""
+    if weight.dtype == torch.float32:
+        return hidden.float() @ weight.T
+    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, weight.shape[0], _UPCAST_ROWS):
+        out[:, start:start + _UPCAST_ROWS] = hidden.float() @ weight[start:start + _UPCAST_ROWS].float().T
+    return out
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU in fp32: ``silu(min(gate, L)) * clamp(up, -L, L)``."""
     return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(min=-limit, max=limit)

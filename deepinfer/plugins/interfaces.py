@@ -128,6 +128,11 @@ class LinearBackend(Protocol):
         Returns [..., R] in ``x``'s dtype.
         """
 
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``hidden W^T`` in fp32 for a float ``weight`` [V, C] kept in its own dtype: the vocabulary projection of
+        a model whose release computes logits in fp32 from a bf16 head, without an fp32 copy of the head. ``hidden``
+        [T, C] fp32; returns [T, V] fp32, each product exact (bf16 and fp16 values are exact in fp32)."""
+
 
 class MHCBackend(Protocol):
     name: str

@@ -12,8 +12,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, kv_store, mhc, moe, moe_blocks,
-                              moe_grouped, norm, rope, routing, slots)
+from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, kv_store, logits, mhc, moe,
+                              moe_blocks, moe_grouped, norm, rope, routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -43,6 +43,9 @@ CASES = {
     "activation quant, pairs apart": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp16",
                                                                      "s_ptr": "*fp32"},
                                       ROUNDING | {"BLOCK": 32, "PAIRS_APART": True}),
+    "fp32 logits from a bf16 head": (logits._bf16_logits_kernel, {"x_ptr": "*fp32", "w_ptr": "*bf16",
+                                                                   "y_ptr": "*fp32"},
+                                     {"BM": 16, "BN": 128, "BK": 64, "NATIVE": True}),
     "attention bf16": (attention._attention_kernel,
                        {**ATTENTION_POINTERS, "a_ptr": "*bf16", "a_bytes_ptr": "*bf16", "b_ptr": "*bf16",
                         "b_bytes_ptr": "*bf16"},

@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.core.ops import fp32_logits
 from deepinfer.core.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
+from deepinfer_nvidia.logits import bf16_logits
 
 logger = init_logger(__name__)
 
@@ -333,3 +335,8 @@ class TritonLinear:
             return fp8_linear(x, weight, scale, activation_block, self.pinned)
         log_once(logger, logging.WARNING, "MXFP4 dense projections: no Triton kernel yet, the torch reference multiplies them")
         return blockwise_linear(x, weight, scale, activation_block)
+
+    def logits(self, hidden, weight):
+        if weight.dtype == torch.bfloat16:
+            return bf16_logits(hidden.float(), weight, self.pinned)
+        return fp32_logits(hidden, weight)  # fp32 heads: one GEMM; fp16 ones: the reference's slabs

@@ -18,6 +18,7 @@ embedding, as NeMo AutoModel trains it). Numerics follow NeMo AutoModel's ``Deep
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -157,14 +158,14 @@ class DSparkDraft(nn.Module):
         return per_request.unsqueeze(1).expand(-1, d, -1).reshape(batch * d, -1)
 
     def markov(self, previous: torch.Tensor, heads: DraftHeads, position: int,
-               head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+               project_vocab: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, vocab] and acceptance confidence [B] at block ``position``, given the token before it;
-        ``head`` is the target's vocabulary projection (one position at a time: no [B, D, vocab] buffer)."""
+        ``project_vocab`` is the target's fp32 vocabulary projection (one position at a time: no [B, D, vocab]
+        buffer)."""
         last = self.layers[-1]
         normalized = heads.normalized[:, position]
         embedding = last.markov_head.embed(previous)
-        logits = (F.linear(normalized, head.weight.float())
-                  + F.linear(embedding.float(), last.markov_head.head.weight.float()))
+        logits = project_vocab(normalized) + F.linear(embedding.float(), last.markov_head.head.weight.float())
         features = torch.cat([normalized, embedding.float()], dim=-1)
         confidence = torch.sigmoid(F.linear(features, last.confidence_head.proj.weight.float())).squeeze(-1)
         return logits, confidence

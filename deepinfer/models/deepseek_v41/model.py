@@ -39,9 +39,10 @@ from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend, MHCBacken
 logger = init_logger(__name__)
 
 # Tensors kept in fp32 whatever the model dtype (as the release ships or computes them; the router multiplies its
-# weight in fp32)
+# weight in fp32). The vocabulary head stays in the model dtype, as shipped (bf16): the linear backend's ``logits``
+# computes in fp32 from it, reading half the bytes an fp32 copy would.
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", "gate.bias", "gate.bias_vl", ".gate.weight", "compressor.wkv.weight",
-                  "compressor.wgate.weight", "head.weight")
+                  "compressor.wgate.weight", "markov_head.head.weight")
 _HC_NAMES = re.compile(r"(hc_attn|hc_ffn)\.(fn|base|scale)$")
 _ENGRAM_TABLE = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)$")
 
@@ -247,7 +248,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.norm(hidden).float()
 
     def project_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
+        """fp32 logits of fp32 hidden states, by the linear backend (attached by the loader)."""
+        return self.backends.linear.logits(hidden, self.head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.project_vocab(self.final_hidden(hidden))

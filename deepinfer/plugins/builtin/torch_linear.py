@@ -1,7 +1,9 @@
-"""Reference GEMM over quantized weights: dequantizes a slab of rows at a time (``blockwise_linear``)."""
+"""Reference GEMM over quantized weights: dequantizes a slab of rows at a time (``blockwise_linear``); fp32 logits
+from a narrower head, upcast a slab of rows at a time (``fp32_logits``)."""
 
 from __future__ import annotations
 
+from deepinfer.core.ops import fp32_logits
 from deepinfer.core.quantization import blockwise_linear
 from deepinfer.plugins.hookspecs import hookimpl
 
@@ -13,6 +15,9 @@ class TorchLinear:
 
     def linear(self, x, weight, scale, activation_block):
         return blockwise_linear(x, weight, scale, activation_block)
+
+    def logits(self, hidden, weight):
+        return fp32_logits(hidden, weight)
 
 
 @hookimpl(trylast=True)

@@ -34,7 +34,7 @@ class DSparkDrafter(PooledDrafter):
         heads = draft(DraftInputs(anchors, positions, self.pool.rows[slots], self.pool.positions[slots]), model.embed)
         previous, tokens, confidences = anchors, [], []
         for position in range(draft.block_size):  # left to right: the Markov head reads the token before
-            logits, confidence = draft.markov(previous, heads, position, model.head)
+            logits, confidence = draft.markov(previous, heads, position, model.project_vocab)
             previous = logits.argmax(dim=-1)
             tokens.append(previous)
             confidences.append(confidence)
