@@ -6,7 +6,7 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
+# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
@@ -90,6 +90,11 @@ if has kernels; then
     timeout 200 python tools/gpu_kernels.py 2>&1 | tee "$out/kernels.json" | tail -40
     timeout 100 python tools/gpu_kernels.py --triton-fp8 2>&1 | tee "$out/kernels_triton_fp8.json" | tail -12
     has glue || timeout 150 python tools/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
+fi
+if has logits; then  # V4.1's head: fp32 logits from bf16 weights against cuBLAS on an fp32 copy, and their tests
+    stamp logits
+    timeout 120 python -m pytest -q -x tests/test_nvidia_logits.py 2>&1 | tail -2
+    timeout 120 python tools/gpu_kernels.py --logits 2>&1 | tee "$out/kernels_logits.json" | tail -30
 fi
 if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
     stamp mxfp4

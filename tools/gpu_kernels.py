@@ -1,6 +1,6 @@
 """Kernel-level figures of the NVIDIA backend at DeepSeek-V4-Flash shapes (issue 6), printed as JSON.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8 | --prefill | --grouped]
+    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8 | --prefill | --grouped | --logits]
 
 - Sparse attention, decode: 64 heads x 512, a 128-row window plus 512 indexer-selected compressed entries per
   token, bf16 pools; batch 1, 16, 128 (FlashMLA's H200 time at 128 is 51.8 µs, kernel-anchors §1), with the
@@ -15,6 +15,8 @@
   dequantized to bf16, so the outputs are compared too); DeepGEMM's masked grouped GEMM on the experts shape (FP8
   and bf16) and its FP8 GEMM against our Triton block-FP8 GEMM at projection shapes. A failing call is recorded
   with its error, not skipped.
+- ``--logits``: V4.1-Flash's head, fp32 logits from bf16 weights (``deepinfer_nvidia.logits``) against cuBLAS on
+  an fp32 copy, at 1, 16 and 64 rows.
 - ``--prefill``: sparse attention over a prefill's tokens, ours against FlashMLA's sparse prefill (bf16 rows), both
   checked against an fp32 reference, and which base FlashMLA's lse is in.
 Inputs are fresh random values. Each call is captured in a CUDA graph and its replays timed (median of
@@ -36,10 +38,12 @@ from deepinfer.core.fp8_kv import FP8Rows
 from deepinfer.core.quantization import quantize_fp4, quantize_fp8
 from deepinfer.plugins.interfaces import ExpertWeights
 from deepinfer_nvidia.fp8_linear import fp8_linear
+from deepinfer_nvidia.logits import bf16_logits
 from deepinfer_nvidia.moe import TritonMoE
 from deepinfer_nvidia.sparse_attention import TritonAttention
 
 DEVICE = torch.device("cuda")
+HBM_COPY_BYTES_PER_S = 4223e9  # the H200's measured copy rate (fifth GPU session), read as the roofline
 
 
 def _graph_us(fn) -> float:
@@ -308,10 +312,33 @@ def flashmla_prefill_peer() -> list[dict]:
     return rows
 
 
+def head_logits() -> list[dict]:
+    """V4.1-Flash's vocabulary projection (129280 x 5120): fp32 logits from the bf16 head (``bf16_logits``) against
+    cuBLAS on an fp32 copy (what the engine ran before) and cuBLAS in bf16 (bf16 logits: a speed reference only),
+    each checked against an fp64 product, with the bf16 head's read at the copy rate as the roofline."""
+    vocab, width, rows_out = 129280, 5120, []
+    weight = (torch.randn(vocab, width, device=DEVICE) * width**-0.5).to(torch.bfloat16)
+    weight32 = weight.float()
+    for rows in (1, 16, 64):
+        hidden = torch.randn(rows, width, device=DEVICE) * 3
+        exact = hidden.double() @ weight32.double().T
+        peak = exact.abs().max()
+        row = {"rows": rows, "roofline_us": round(weight.numel() * 2 / HBM_COPY_BYTES_PER_S * 1e6, 1)}
+        for name, call in (("bf16_logits", lambda: bf16_logits(hidden, weight)),
+                           ("cublas_fp32", lambda: hidden @ weight32.T),
+                           ("cublas_bf16", lambda: hidden.to(torch.bfloat16) @ weight.T)):
+            row[f"{name}_us"] = round(_graph_us(call), 1)
+            row[f"{name}_err_rel"] = float((call().double() - exact).abs().max() / peak)
+        rows_out.append(row)
+    return rows_out
+
+
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["--grouped"]:
+    if sys.argv[1:] == ["--logits"]:
+        print(json.dumps({"head_logits": head_logits()}, indent=1))
+    elif sys.argv[1:] == ["--grouped"]:
         print(json.dumps({"prefill_experts": prefill_experts()}, indent=1))
     elif sys.argv[1:] == ["--prefill"]:
         print(json.dumps({"flashmla_prefill": flashmla_prefill_peer()}, indent=1))
