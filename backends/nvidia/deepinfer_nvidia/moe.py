@@ -173,13 +173,13 @@ def _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr, N, BLOCK_M
 
 @triton.jit
 def _fp4_rows(a_ptr, sa_ptr, rows, m_ok, w_ptr, v_ptr, sw_ptr, sv_ptr, w_tile, s_tile, n_ok, stride_a, stride_sa,
-              K: tl.constexpr, ACT_BLOCK: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              K: tl.constexpr, ACT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               SWIGLU: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr, WORD_SCALES: tl.constexpr):
-    """(a W^T, a V^T) [R, BN] in fp32 for the R rows ``rows`` of ``a`` (masked by ``m_ok``; fp16 e4m3 values, each 32
-    columns' even ones first: ``act_quant_pairs_apart``). With WORD_SCALES the
-    scale pointers address int32 words of four e8m0 exponents (128 columns), else bytes."""
-    acc = tl.zeros((R, BN), dtype=tl.float32)
-    up = tl.zeros((R, BN), dtype=tl.float32)
+    """(a W^T, a V^T) [BLOCK_M, BN] in fp32 for the rows ``rows`` of ``a`` (masked by ``m_ok``): fp16 e4m3 values,
+    each 32 columns' even ones first (``act_quant_pairs_apart``). With WORD_SCALES the scale pointers address int32
+    words of four e8m0 exponents (128 columns), else bytes."""
+    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     for tile in range(K // BK):
         for block in tl.static_range(BK // 32):  # each 32 columns: one weight scale per row, the sum scaled once
             k0 = tile * BK + block * 32
