@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidi
 from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.fp8_linear import (SPLIT_MAX_ROWS, TritonLinear, _programs_wanted, act_quant,  # noqa: E402
-                                         act_quant_pairs_apart, fp8_rounded, split_count)
+                                         fp8_rounded, split_count)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (tokens, out, in, block): V4's 128 tiles and V4.1's 32 tiles, ragged edges, decode and prefill sizes
@@ -69,17 +69,17 @@ def test_act_quant_tiles_cover_partial_segments_and_rows(tokens, cols, block):
 
 
 @pytest.mark.parametrize("tokens, cols, block", [(1, 64, 32), (7, 96, 32), (70, 4160, 128)])
-def test_act_quant_pairs_apart_holds_each_32_columns_even_then_odd(tokens, cols, block):
+def test_act_quant_with_pairs_apart_holds_each_32_columns_even_then_odd(tokens, cols, block):
     """The MXFP4 experts' activations: act_quant's values (fp16, exact) with each 32 columns' even ones first."""
     x = _inputs(tokens, cols, seed=cols + 1)
     _poison()
-    q, scales = act_quant_pairs_apart(x, block)
+    q, scales = act_quant(x, block, pairs_apart=True)
     expected_q, expected_scales = act_quant(x, block)
     pairs = expected_q.float().view(tokens, cols // 32, 16, 2)
     assert q.dtype == torch.float16 and torch.equal(scales, expected_scales)
     assert torch.equal(q.float(), torch.cat([pairs[..., 0], pairs[..., 1]], -1).view(tokens, cols))
     with pytest.raises(ValueError, match="32-column"):
-        act_quant_pairs_apart(x[:, :48], 16)
+        act_quant(x[:, :48], 16, pairs_apart=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -173,23 +173,15 @@ def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tenso
                             ROUND_TRIP=scales is None, PAIRS_APART=pairs_apart)
 
 
-def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] -> (e4m3 [M, K], fp32 power-of-two scales [M, ceil(K / block)])."""
+def act_quant(x: torch.Tensor, block: int, pairs_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (e4m3 [M, K], fp32 power-of-two scales [M, ceil(K / block)]). ``pairs_apart``: the values
+    as fp16 (exact), each 32 columns' even ones first, then the odd ones (the MXFP4 experts' MMAs read them so)."""
     rows, cols = x.shape
-    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
+    if pairs_apart and cols % 32:
+        raise ValueError(f"{cols} columns are not whole 32-column blocks")
+    q = torch.empty(rows, cols, dtype=torch.float16 if pairs_apart else torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(rows, triton.cdiv(cols, block), dtype=torch.float32, device=x.device)
-    _act_quant(x, block, q, scales)
-    return q, scales
-
-
-def act_quant_pairs_apart(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``act_quant``'s values as fp16 (exact), each 32 columns' even ones first, then the odd ones."""
-    if x.shape[1] % 32:
-        raise ValueError(f"{x.shape[1]} columns are not whole 32-column blocks")
-    rows, cols = x.shape
-    q = torch.empty(rows, cols, dtype=torch.float16, device=x.device)
-    scales = torch.empty(rows, triton.cdiv(cols, block), dtype=torch.float32, device=x.device)
-    _act_quant(x, block, q, scales, pairs_apart=True)
+    _act_quant(x, block, q, scales, pairs_apart)
     return q, scales
 
 

@@ -17,7 +17,7 @@ MXFP4: Hopper has no FP4 tensor cores, so each byte of two e2m1 codes is decoded
 values (the codes times 2^-14), the low nibbles being the even columns and the high ones the odd; on the GPU
 ``_e2m1_pairs`` does it for two values per 32-bit operation in inline PTX (seven integer ops per four values;
 Triton's interpreter runs ``_e2m1_scaled``'s int16 ops per value instead). The FP8-rounded activations come from
-``act_quant_pairs_apart`` as fp16 (exact), each 32 columns' even ones first, so the kernel loads the two halves
+``act_quant(..., pairs_apart=True)`` as fp16 (exact), each 32 columns' even ones first, so the kernel loads the two halves
 each MMA reads as they are; each 32-column block is two fp16 MMAs with fp32 accumulation, scaled once by its
 weight scale (one power of two per 32 columns and row, read four to an int32 word and made fp32 by moving bits),
 the activation's and 2^14. Every product is exact, so the result is the reference's up to fp32 summation order.
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import activation, moe_blocks, moe_grouped, routing
-from deepinfer_nvidia.fp8_linear import act_quant_pairs_apart
+from deepinfer_nvidia.fp8_linear import act_quant
 
 logger = init_logger(__name__)
 
@@ -176,7 +176,7 @@ def _fp4_rows(a_ptr, sa_ptr, rows, m_ok, w_ptr, v_ptr, sw_ptr, sv_ptr, w_tile, s
               K: tl.constexpr, ACT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               SWIGLU: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr, WORD_SCALES: tl.constexpr):
     """(a W^T, a V^T) [BLOCK_M, BN] in fp32 for the rows ``rows`` of ``a`` (masked by ``m_ok``): fp16 e4m3 values,
-    each 32 columns' even ones first (``act_quant_pairs_apart``). With WORD_SCALES the scale pointers address int32
+    each 32 columns' even ones first (``act_quant``'s ``pairs_apart``). With WORD_SCALES the scale pointers address int32
     words of four e8m0 exponents (128 columns), else bytes."""
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
@@ -320,7 +320,7 @@ def _scale_words(scales: torch.Tensor, k: int) -> torch.Tensor | None:
 def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, v=None, v_scale=None, limit=0.0,
                  pinned=False):
     """fp32 [len(out_rows), N]: rows of ``a`` (FP8-rounded here) times w, or swiglu of w and v when v is given."""
-    aq, sa = act_quant_pairs_apart(a.contiguous(), activation_block)
+    aq, sa = act_quant(a.contiguous(), activation_block, pairs_apart=True)
     n, k = w.shape[1], 2 * w.shape[2]
     out = torch.empty(len(out_rows), n, dtype=torch.float32, device=a.device)
     swiglu = v is not None
