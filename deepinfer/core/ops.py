@@ -23,9 +23,10 @@ def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``hidden W^T`` in fp32 with ``weight`` upcast a slab of rows at a time (``LinearBackend.logits``)."""
     if weight.dtype == torch.float32:
         return hidden.float() @ weight.T
+    hidden = hidden.float()
     out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, weight.shape[0], _UPCAST_ROWS):
-        out[:, start:start + _UPCAST_ROWS] = hidden.float() @ weight[start:start + _UPCAST_ROWS].float().T
+        out[:, start:start + _UPCAST_ROWS] = hidden @ weight[start:start + _UPCAST_ROWS].float().T
     return out
 
 

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import activation, moe_blocks, moe_grouped, routing
+from deepinfer_nvidia.moe_grouped import e8m0_to_fp32
 from deepinfer_nvidia.fp8_linear import act_quant
 
 logger = init_logger(__name__)
@@ -96,16 +97,13 @@ def _e2m1_pairs(packed):
 @triton.jit
 def _e8m0(ptrs, ok):
     """fp32 powers of two from e8m0 exponent bytes."""
-    return tl.exp2((tl.load(ptrs, mask=ok, other=127).to(tl.int32) - 127).to(tl.float32))
+    return e8m0_to_fp32(tl.load(ptrs, mask=ok, other=127).to(tl.int32) & 0xFF)
 
 
 @triton.jit
 def _e8m0_of_word(words, BYTE: tl.constexpr):
-    """fp32 powers of two from byte BYTE of int32 words holding four e8m0 exponents: the byte is fp32's exponent
-    field, and exponent 0 (2^-127) fp32's subnormal bit 22, which the max gives (integer ops; exp2 would take the
-    special-function unit, and a byte load per scale the load unit)."""
-    bits = ((words >> (8 * BYTE)) & 0xFF) << 23
-    return tl.maximum(bits, 1 << 22).to(tl.float32, bitcast=True)
+    """fp32 powers of two from byte BYTE of int32 words holding four e8m0 exponents (one load for four scales)."""
+    return e8m0_to_fp32((words >> (8 * BYTE)) & 0xFF)
 
 
 @triton.jit

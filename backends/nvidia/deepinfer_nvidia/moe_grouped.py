@@ -71,6 +71,14 @@ def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int, chunk: i
 
 
 @triton.jit
+def e8m0_to_fp32(exponent):
+    """fp32 powers of two from e8m0 exponents (int32, 0-255) by moving bits: the byte is fp32's exponent field, and
+    exponent 0 (2^-127) fp32's subnormal bit 22, which the max gives. Integer ops, where exp2 would take the
+    special-function unit."""
+    return tl.maximum(exponent << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp4_times_scale(codes, scale):
     """bf16 bits (int32) of e2m1 ``codes`` (0-15) times ``scale`` (fp32), the operands built from bits (no exp2):
     magnitude m >= 1 is 2^((m >> 1) - 1), times 1.5 when m >= 2 is odd; the product is exact in bf16 unless the
@@ -96,8 +104,7 @@ def _dequant_fp4_kernel(codes_ptr, scales_ptr, out_ptr, rows, rows_per_expert, s
     packed = packed.to(tl.int32) & 0xFF
     exponent = tl.load(scales_ptr + (expert * stride_se + n * stride_sn)[:, None] + (offs // 16)[None, :], mask=ok,
                        other=127).to(tl.int32) & 0xFF
-    # 2^(e - 127) from its bits; e = 0 is the subnormal 2^-127
-    scale = tl.where(exponent == 0, 0x400000, exponent << 23).to(tl.float32, bitcast=True)
+    scale = e8m0_to_fp32(exponent)
     words = _fp4_times_scale(packed & 0xF, scale) | (_fp4_times_scale(packed >> 4, scale) << 16)
     tl.store(out_ptr + row.to(tl.int64)[:, None] * HALF_K + offs[None, :], words, mask=ok)
 
