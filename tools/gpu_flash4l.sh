@@ -6,7 +6,7 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
+# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
@@ -95,6 +95,12 @@ if has logits; then  # V4.1's head: fp32 logits from bf16 weights against cuBLAS
     stamp logits
     timeout 120 python -m pytest -q -x tests/test_nvidia_logits.py 2>&1 | tail -2
     timeout 120 python tools/gpu_kernels.py --logits 2>&1 | tee "$out/kernels_logits.json" | tail -30
+fi
+if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then tools/gpu_fp8_linear.py (FP8_PEER: a module timed alongside)
+    stamp fp8
+    timeout 240 python -m pytest -q -x tests/test_nvidia_fp8_linear.py 2>&1 | tail -3
+    PYTHONPATH="$PYTHONPATH:$PWD/tools" timeout 300 python tools/gpu_fp8_linear.py ${FP8_PEER:+--peer $FP8_PEER} 2>&1 | grep -v INFO \
+        | tee "$out/fp8_linear.jsonl" | tail -1
 fi
 if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
     stamp mxfp4

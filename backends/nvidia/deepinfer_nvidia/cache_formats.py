@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia.fp8_linear import _pow2_ceil, _round_to_e4m3, _segment_scale
+from deepinfer_nvidia.fp8_rounding import _pow2_ceil, _round_to_e4m3, _segment_scale
 
 # format -> (group size, kernel code)
 FORMATS = {"fp8": (32, 0), "mxfp4": (32, 1), "nvfp4": (16, 2)}

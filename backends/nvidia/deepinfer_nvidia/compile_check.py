@@ -12,8 +12,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, kv_store, logits, mhc, moe,
-                              moe_blocks, moe_grouped, norm, rope, routing, slots)
+from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, fp8_rounding, kv_store, logits, mhc,
+                              moe, moe_blocks, moe_grouped, norm, rope, routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -27,20 +27,28 @@ ROUNDING = {"ROWS": 1, "SEGMENTS": 32, "NATIVE_FP8": True, "ROUND_TRIP": False, 
 CASES = {
     "fp8 gemm": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                                                 "sw_ptr": "*fp32", "y_ptr": "*bf16"},
-                 {"NUM_BLOCKS": 32, "BLOCKS_PER_SPLIT": 32, "W_ROW_TILE": 128, "BK": 128, "NATIVE_FP8": True, "BM": 16,
-                  "BN": 64, "QUANTIZE": False}),
-    "fp8 gemm, split K": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*bf16", "sx_ptr": "*bf16", "w_ptr": "*fp8e4nv",
-                                                        "sw_ptr": "*fp32", "y_ptr": "*fp32"},
-                          {"NUM_BLOCKS": 160, "BLOCKS_PER_SPLIT": 12, "W_ROW_TILE": 32, "BK": 32, "NATIVE_FP8": True,
-                           "BM": 16, "BN": 128, "QUANTIZE": True}),
+                 {"NUM_BLOCKS": 32, "W_ROW_TILE": 128, "BK": 128, "NATIVE_FP8": True, "BM": 16, "BN": 64}),
+    "fp8 gemm, few rows, split K": (fp8_linear._fp8_gemm_few_rows_kernel,
+                                    {"q_ptr": "*bf16", "sx_ptr": "*bf16", "w_ptr": "*fp8e4nv", "sw_ptr": "*fp32",
+                                     "y_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32"},
+                                    {"NUM_BLOCKS": 160, "BLOCKS_PER_SPLIT": 12, "SPLITS": 14, "W_ROW_TILE": 32,
+                                     "BK": 32, "NATIVE_FP8": True, "BN": 64, "BM": 8, "QUANTIZE": True,
+                                     "SUM_HERE": True}),
+    "fp8 gemm, few rows, rounded first": (fp8_linear._fp8_gemm_few_rows_kernel,
+                                          {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                                           "sw_ptr": "*fp32", "y_ptr": "*bf16", "partial_ptr": "*bf16",
+                                           "arrivals_ptr": "*i32"},
+                                          {"NUM_BLOCKS": 40, "BLOCKS_PER_SPLIT": 20, "SPLITS": 2, "W_ROW_TILE": 128,
+                                           "BK": 128, "NATIVE_FP8": True, "BN": 128, "BM": 64, "QUANTIZE": False,
+                                           "SUM_HERE": False}),
     "fp8 split sum": (fp8_linear._sum_splits_kernel, {"partial_ptr": "*fp32", "y_ptr": "*bf16"},
                       {"SPLITS": 6, "BLOCK": 1024}),
-    "activation quant": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+    "activation quant": (fp8_rounding._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                          ROUNDING | {"BLOCK": 32, "ROWS": 8, "SEGMENTS": 16}),
-    "activation fp8 round trip": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*bf16",
+    "activation fp8 round trip": (fp8_rounding._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*bf16",
                                                                  "s_ptr": "*bf16"},
                                   ROUNDING | {"BLOCK": 128, "ROUND_TRIP": True}),
-    "activation quant, pairs apart": (fp8_linear._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp16",
+    "activation quant, pairs apart": (fp8_rounding._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp16",
                                                                      "s_ptr": "*fp32"},
                                       ROUNDING | {"BLOCK": 32, "PAIRS_APART": True}),
     "fp32 logits from a bf16 head": (logits._bf16_logits_kernel, {"x_ptr": "*fp32", "w_ptr": "*bf16",

@@ -1,11 +1,11 @@
 """Block-scaled FP8 GEMM in Triton: ``y = x W^T`` for an e4m3 weight [N, K] with e8m0 tile scales.
 
-Two kernels, as the release's GEMMs work: ``act_quant`` rounds ``x`` to e4m3 with one power-of-two scale per
-``1 x BK`` segment (bit-exact with ``deepinfer.core.quantization.round_fp8``), then ``fp8_gemm`` multiplies one
-``BK``-deep tile at a time on the tensor cores and adds each tile's fp32 partial product times both scales. On
-Hopper an fp8 MMA accumulates in reduced precision, so promoting every BK = 32 or 128 values keeps the sum exact
-to fp32 rounding. ``BK`` is the activation block, which equals the weight's column tile (the loader checks the
-scales against ``quantization_config.weight_block_size``).
+As the release's GEMMs work: ``x`` is rounded to e4m3 with one power-of-two scale per ``1 x BK`` segment
+(``act_quant``), then each ``BK``-deep tile is multiplied on the tensor cores and its fp32 partial product added
+times both scales. On Hopper an fp8 MMA accumulates in reduced precision, so promoting every BK = 32 or 128 values
+keeps the sum exact to fp32 rounding. ``BK`` is the activation block, which equals the weight's column tile (the
+loader checks the scales against ``quantization_config.weight_block_size``). Two GEMM kernels: an autotuned one
+for many rows (prefill) and ``_fp8_gemm_few_rows_kernel`` for decode's few.
 """
 
 from __future__ import annotations
@@ -21,78 +21,10 @@ import triton.language as tl
 from deepinfer.core.ops import fp32_logits
 from deepinfer.core.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
+from deepinfer_nvidia.fp8_rounding import _e4m3_values, _native_fp8, _segment_scale, act_quant
 from deepinfer_nvidia.logits import bf16_logits
 
 logger = init_logger(__name__)
-
-
-@triton.jit
-def _pow2_ceil(v):
-    """Smallest power of two >= v (v > 0): bump the exponent when any mantissa bit is set."""
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (exponent << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """e4m3's nearest value (ties to even) of ``v`` in [-448, 448], in fp32 arithmetic.
-
-    The interpreter's fp32 -> e4m3 conversion rounds ties away and mishandles carries into the exponent, so off the
-    GPU the rounding is done here and the conversion only stores values that are already exact.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    subnormal = (v + 24576.0) - 24576.0  # 1.5 * 2^14: fp32 spacing there is 2^-9, e4m3's subnormal step
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _segment_scale(amax):
-    """The power-of-two scale of a 1 x BK segment with largest magnitude ``amax``."""
-    return _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
-
-
-@triton.jit
-def _e4m3_values(x, scale, NATIVE_FP8: tl.constexpr):
-    """``x / scale`` as e4m3 values (still fp32; exact once converted)."""
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    if not NATIVE_FP8:
-        q = _round_to_e4m3(q)
-    return q
-
-
-@triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_blocks, BLOCK: tl.constexpr,
-                      ROWS: tl.constexpr, SEGMENTS: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                      ROUND_TRIP: tl.constexpr = False, PAIRS_APART: tl.constexpr = False):
-    """ROWS rows x SEGMENTS segments of BLOCK columns per program, each segment scaled on its own. ROUND_TRIP:
-    ``q`` gets the rounded values times their scales, in its own dtype (exact in bf16), and no scales.
-    PAIRS_APART: each 32 columns of ``q`` hold their even columns, then their odd ones (what the MXFP4 experts'
-    MMAs read: a packed weight byte holds an even and an odd column's codes)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    segments = tl.program_id(1) * SEGMENTS + tl.arange(0, SEGMENTS)
-    offs = segments[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [SEGMENTS, BLOCK] columns
-    rows_ok = rows < M
-    mask = rows_ok[:, None, None] & (offs < K)[None, :, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None, None] * stride_x + offs[None, :, :], mask=mask,
-                other=0.0).to(tl.float32)
-    scale = _segment_scale(tl.max(tl.abs(x), axis=2))  # [ROWS, SEGMENTS]
-    q = _e4m3_values(x, scale[:, :, None], NATIVE_FP8).to(tl.float8e4nv)
-    if ROUND_TRIP:
-        q = q.to(tl.float32) * scale[:, :, None]
-    stored = (offs // 32) * 32 + (offs % 2) * 16 + (offs % 32) // 2 if PAIRS_APART else offs
-    tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_q + stored[None, :, :], q.to(q_ptr.dtype.element_ty),
-             mask=mask)
-    if not ROUND_TRIP:
-        tl.store(s_ptr + rows.to(tl.int64)[:, None] * num_blocks + segments[None, :], scale,
-                 mask=rows_ok[:, None] & (segments < num_blocks)[None, :])
-
-
-# act_quant's tile: about 4096 values a program, 512 while there are few rows (a decode step's: its few programs
-# stay spread over the SMs). A program per (row, segment), as first written, ran V4.1's 32-column segments as
-# millions of 32-value programs in a prefill (52 ms over 58 calls at 8192 tokens).
-ACT_QUANT_VALUES, ACT_QUANT_VALUES_FEW_ROWS, FEW_ROWS = 4096, 512, 64
 
 
 def _configs() -> list[triton.Config]:
@@ -108,89 +40,105 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, stride_q, stride_w, stride_sw,
-                     stride_y, stride_split, NUM_BLOCKS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                     W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, QUANTIZE: tl.constexpr = False):
-    """One [BM, BN] tile of ``y``; split over K (program axis 2), each split's fp32 partial sum goes to its own
-    slab of ``y`` (``stride_split`` apart) for ``_sum_splits_kernel``. With QUANTIZE, ``q_ptr`` holds the
-    unrounded activations and each program rounds its tiles itself, as ``act_quant`` would (bit for bit): one launch
-    fewer per call, worth it while the activations are a few rows."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    first = tl.program_id(2) * BLOCKS_PER_SPLIT
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, stride_q, stride_w, stride_sw, stride_y,
+                     NUM_BLOCKS: tl.constexpr, W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr):
+    """One [BM, BN] tile of ``y`` from ``act_quant``'s activations."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for step in range(BLOCKS_PER_SPLIT):  # the last split's surplus steps load nothing
-        block = first + step
+    for block in range(NUM_BLOCKS):
         k = block * BK + offs_k
         k_ok = k < K
-        scale_block = tl.minimum(block, NUM_BLOCKS - 1)  # surplus steps: a real scale times their zero products
         a = tl.load(q_ptr + offs_m[:, None] * stride_q + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if QUANTIZE:
-            sx = _segment_scale(tl.max(tl.abs(a.to(tl.float32)), axis=1))
-            a = _e4m3_values(a.to(tl.float32), sx[:, None], NATIVE_FP8).to(tl.float8e4nv)
-        else:
-            sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + scale_block, mask=m_ok, other=0.0)
         b = tl.load(w_ptr + offs_n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if NATIVE_FP8:
             part = tl.dot(a, tl.trans(b))
         else:  # the interpreter (and pre-Hopper GPUs) multiply the same values in fp32
             part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
-        sw = tl.load(sw_ptr + (offs_n // W_ROW_TILE) * stride_sw + scale_block, mask=n_ok, other=0.0)
+        sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + block, mask=m_ok, other=0.0)
+        sw = tl.load(sw_ptr + (offs_n // W_ROW_TILE) * stride_sw + block, mask=n_ok, other=0.0)
         acc += part * sx[:, None] * sw[None, :]
-    tl.store(y_ptr + tl.program_id(2) * stride_split + offs_m[:, None] * stride_y + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _few_rows_block(q_ptr, sx_ptr, w_ptr, sw_ptr, block, offs_m, offs_n, m_ok, n_ok, K, stride_q, stride_w, stride_sw,
+                    NUM_BLOCKS: tl.constexpr, W_ROW_TILE: tl.constexpr, BK: tl.constexpr,
+                    NATIVE_FP8: tl.constexpr, QUANTIZE: tl.constexpr):
+    """One K block's [BN, BM] product, both scales applied."""
+    k = block * BK + tl.arange(0, BK)
+    k_ok = k < K
+    scale_block = tl.minimum(block, NUM_BLOCKS - 1)  # surplus blocks: a real scale times their zero products
+    a = tl.load(q_ptr + offs_m[:, None] * stride_q + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if QUANTIZE:
+        sx = _segment_scale(tl.max(tl.abs(a.to(tl.float32)), axis=1))
+        a = _e4m3_values(a.to(tl.float32), sx[:, None], NATIVE_FP8).to(tl.float8e4nv)
+    else:
+        sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + scale_block, mask=m_ok, other=0.0)
+    w = tl.load(w_ptr + offs_n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if NATIVE_FP8:
+        part = tl.dot(w, tl.trans(a))
+    else:
+        part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
+    sw = tl.load(sw_ptr + (offs_n // W_ROW_TILE) * stride_sw + scale_block, mask=n_ok, other=0.0)
+    return part * sw[:, None] * sx[None, :]
+
+
+@triton.jit
+def _fp8_gemm_few_rows_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_q,
+                              stride_w, stride_sw, stride_y, NUM_BLOCKS: tl.constexpr,
+                              BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, W_ROW_TILE: tl.constexpr,
+                              BK: tl.constexpr, NATIVE_FP8: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                              QUANTIZE: tl.constexpr, SUM_HERE: tl.constexpr):
+    """``y^T``'s [BN, BM] tile for a few rows (a decode step's): the weight's rows on the MMA's M side, which Hopper's
+    wgmma wants 64 at a time, and the BM (8 to 64) rows of ``x`` on its N side, so e4m3 meets e4m3 on the FP8
+    tensor cores with no conversion and the weights are read once whatever the rows.
+
+    K is split over program axis 1, each split's fp32 partial tile stored apart. With SUM_HERE, each split then
+    counts itself in on its column tile's arrival counter; the last to arrive adds the partials in split order
+    (deterministic) into ``y`` and zeroes the counter for the next call, so no second launch sums them (while the
+    partials are few rows: one program reads them all). With QUANTIZE, ``q_ptr`` holds the unrounded activations
+    and each program rounds its own, as ``act_quant`` does (bit for bit)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for step in range(BLOCKS_PER_SPLIT):  # the last split's surplus blocks load nothing
+        acc += _few_rows_block(q_ptr, sx_ptr, w_ptr, sw_ptr, split * BLOCKS_PER_SPLIT + step, offs_m, offs_n, m_ok,
+                               n_ok, K, stride_q, stride_w, stride_sw, NUM_BLOCKS, W_ROW_TILE, BK, NATIVE_FP8, QUANTIZE)
+    out = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if SPLITS == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile = partial_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(tile + split * M * N, acc, mask=mask)
+        if SUM_HERE:
+            tl.debug_barrier()  # every thread's partial is written before the count says so (release, GPU scope)
+            arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                total = tl.load(tile, mask=mask, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+                for s in tl.static_range(1, SPLITS):
+                    total += tl.load(tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(arrivals_ptr + pid_n, 0)
 
 
 @triton.jit
 def _sum_splits_kernel(partial_ptr, y_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """``y`` = the splits' partial sums added in split order (the same order every call: deterministic)."""
+    """``y`` = the splits' partial sums added in split order (the order ``SUM_HERE`` adds them in)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     acc = tl.load(partial_ptr + offs, mask=ok, other=0.0)
     for split in tl.static_range(1, SPLITS):
         acc += tl.load(partial_ptr + split * size + offs, mask=ok, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tensor | None,
-               pairs_apart: bool = False) -> None:
-    rows, cols = x.shape
-    num_blocks = triton.cdiv(cols, block)
-    if not rows:
-        return
-    values = ACT_QUANT_VALUES if rows > FEW_ROWS else ACT_QUANT_VALUES_FEW_ROWS
-    segments = min(triton.next_power_of_2(num_blocks), max(1, values // block))
-    tile_rows = min(triton.next_power_of_2(rows), max(1, values // (segments * block)))
-    grid = (triton.cdiv(rows, tile_rows), triton.cdiv(num_blocks, segments))
-    # a round trip writes no scales: its s_ptr is never stored to
-    _act_quant_kernel[grid](x, q, q if scales is None else scales, rows, cols, x.stride(0), q.stride(0), num_blocks,
-                            BLOCK=block, ROWS=tile_rows, SEGMENTS=segments, NATIVE_FP8=_native_fp8(x.device),
-                            ROUND_TRIP=scales is None, PAIRS_APART=pairs_apart)
-
-
-def act_quant(x: torch.Tensor, block: int, pairs_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] -> (e4m3 [M, K], fp32 power-of-two scales [M, ceil(K / block)]). ``pairs_apart``: the values
-    as fp16 (exact), each 32 columns' even ones first, then the odd ones (the MXFP4 experts' MMAs read them so)."""
-    rows, cols = x.shape
-    if pairs_apart and cols % 32:
-        raise ValueError(f"{cols} columns are not whole 32-column blocks")
-    q = torch.empty(rows, cols, dtype=torch.float16 if pairs_apart else torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(rows, triton.cdiv(cols, block), dtype=torch.float32, device=x.device)
-    _act_quant(x, block, q, scales, pairs_apart)
-    return q, scales
-
-
-def fp8_rounded(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x`` [M, K] rounded to FP8 in ``1 x block`` segments, as bf16 (exact: e4m3 values times powers of two), in
-    one pass: what a bf16 GEMM reads where the reference rounds its input to FP8."""
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    _act_quant(x, block, out, None)
-    return out
 
 
 # Batch-invariant mode's one configuration: tiles of different heights sum a row's K blocks differently (measured:
@@ -212,47 +160,80 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
     m, num_blocks = flat.shape[0], triton.cdiv(k, activation_block)
     if not m:
         return y.view(*x.shape[:-1], n)
-    splits = 1 if pinned else split_count(m, n, num_blocks, _programs_wanted(x.device))
-    fused = splits > 1 and ROUND_IN_SPLIT_GEMM  # split calls (a few rows) round their activations in the GEMM
-    q, sx = (flat, flat) if fused else act_quant(flat, activation_block)
+    weight_row_tile, scales = infer_block(n, scale.shape[0]), _fp32_scales(scale)
+    if m <= FEW_ROWS and not pinned:
+        _few_rows_gemm(flat, weight, scales, weight_row_tile, activation_block, y)
+        return y.view(*x.shape[:-1], n)
+    q, sx = act_quant(flat, activation_block)
     # the interpreter cannot time configurations: it runs the smallest tile
-    if splits > 1 or _INTERPRETED:
-        kernel, tiles = _fp8_gemm_kernel, SPLIT_TILES if not _INTERPRETED else {"BM": 16, "BN": 32}
+    if pinned or _INTERPRETED:
+        kernel, tiles = _fp8_gemm_kernel, PINNED_TILES if not _INTERPRETED else {"BM": 16, "BN": 32}
     else:
-        kernel, tiles = (_fp8_gemm_kernel, PINNED_TILES) if pinned else (_tuned_gemm(), {})
-    per_split = triton.cdiv(num_blocks, splits)
-    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        kernel, tiles = _tuned_gemm(), {}
 
     def grid(meta):
-        return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]), splits
+        return triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"])
 
-    kernel[grid](q, sx, weight, _fp32_scales(scale), out, m, n, k, min(triton.next_power_of_2(m), 128), q.stride(0),
-                 weight.stride(0), scale.shape[1], n, m * n, NUM_BLOCKS=num_blocks, BLOCKS_PER_SPLIT=per_split,
-                 W_ROW_TILE=infer_block(n, scale.shape[0]), BK=activation_block, NATIVE_FP8=_native_fp8(x.device),
-                 QUANTIZE=fused, **tiles)
-    if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, m * n, SPLITS=splits, BLOCK=1024)
+    kernel[grid](q, sx, weight, scales, y, m, n, k, min(triton.next_power_of_2(m), 128), q.stride(0),
+                 weight.stride(0), scale.shape[1], n, NUM_BLOCKS=num_blocks, W_ROW_TILE=weight_row_tile,
+                 BK=activation_block, NATIVE_FP8=_native_fp8(x.device), **tiles)
     return y.view(*x.shape[:-1], n)
 
 
-# Decode-sized calls (a few rows) have a handful of column tiles, each looping over all of K: a 1536 x 5120
-# projection is 12 programs on a 132-SM GPU. Splitting K gives every SM work; the partial sums cost one more
-# launch and m x n x splits fp32 values, which only pays while m is small.
-SPLIT_MAX_ROWS = 64
-ROUND_IN_SPLIT_GEMM = True  # False: act_quant's launch first, as for larger calls (the tests compare the two)
-SPLIT_TILES = {"BM": 16, "BN": 128, "num_warps": 4, "num_stages": 6}
+# Decode-sized calls (a few rows) go to _fp8_gemm_few_rows_kernel. Their few column tiles would each loop over all
+# of K (a 1536 x 5120 projection is 12 tiles of 128 rows on a 132-SM GPU), so K is split until every SM has work.
+FEW_ROWS = 64
+FEW_ROWS_TILES = {"BN": 64, "num_warps": 4, "num_stages": 4}
 MIN_BLOCKS_PER_SPLIT = 4
+# Up to this many rows (padded to 8 or 16) a call is one launch: the GEMM rounds its activations and its last split
+# sums the partials. Beyond, each program's share of the rounding and the last split's serial sum cost more than
+# act_quant's and _sum_splits_kernel's launches (measured on the H200 at 64 rows: 1.2-1.5x slower one-launch).
+ONE_LAUNCH_MAX_ROWS = 16
 
 
-def split_count(m: int, n: int, num_blocks: int, programs: int) -> int:
-    """How many K splits give about ``programs`` programs (each split at least ``MIN_BLOCKS_PER_SPLIT`` K tiles),
-    with no two splits' block ranges empty."""
-    if m > SPLIT_MAX_ROWS:
-        return 1
-    tile_n = 32 if _INTERPRETED else SPLIT_TILES["BN"]
-    tiles = triton.cdiv(m, 16) * triton.cdiv(n, tile_n)
+def _few_rows_gemm(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, weight_row_tile: int,
+                   block: int, y: torch.Tensor) -> None:
+    (m, k), n = flat.shape, weight.shape[0]
+    num_blocks = triton.cdiv(k, block)
+    tile_n = _few_rows_tile_n()
+    splits = split_count(n, num_blocks, _programs_wanted(flat.device))
+    per_split = triton.cdiv(num_blocks, splits)
+    rows = max(8, triton.next_power_of_2(m))
+    one_launch = rows <= ONE_LAUNCH_MAX_ROWS
+    q, sx = (flat, flat) if one_launch else act_quant(flat, block)
+    partials = torch.empty(splits, m, n, dtype=torch.float32, device=flat.device) if splits > 1 else y
+    tiles = triton.cdiv(n, tile_n)
+    _fp8_gemm_few_rows_kernel[(tiles, splits)](
+        q, sx, weight, scales, y, partials, _arrival_counters(flat.device, tiles), m, n, k, q.stride(0),
+        weight.stride(0), scales.stride(0), y.stride(0), NUM_BLOCKS=num_blocks, BLOCKS_PER_SPLIT=per_split,
+        SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), BM=rows,
+        QUANTIZE=one_launch, SUM_HERE=one_launch, **({"BN": tile_n} if _INTERPRETED else FEW_ROWS_TILES))
+    if splits > 1 and not one_launch:
+        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, y, m * n, SPLITS=splits, BLOCK=1024)
+
+
+def _few_rows_tile_n() -> int:
+    return 32 if _INTERPRETED else FEW_ROWS_TILES["BN"]
+
+
+def split_count(n: int, num_blocks: int, programs: int) -> int:
+    """How many K splits give about ``programs`` programs of ``_few_rows_tile_n()`` columns (each split at least
+    ``MIN_BLOCKS_PER_SPLIT`` K tiles), with no split's block range empty."""
+    tiles = triton.cdiv(n, _few_rows_tile_n())
     splits = max(1, min(num_blocks // MIN_BLOCKS_PER_SPLIT, triton.cdiv(programs, tiles)))
     return triton.cdiv(num_blocks, triton.cdiv(num_blocks, splits))  # every split gets at least one block
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split GEMM's per-column-tile arrival counters: zero between calls (each call's last split zeroes its
+    own), so one buffer per device serves every call in stream order, graph replays included."""
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _ARRIVALS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counters
 
 
 @functools.cache
@@ -283,10 +264,6 @@ def _fp32_scales(scale: torch.Tensor) -> torch.Tensor:
         cached = scale._deepinfer_fp32 = scale.float().contiguous()
     return cached
 
-
-@functools.cache  # asked twice per projection per step; the answer never changes
-def _native_fp8(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def deep_gemm_serves(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int) -> bool:

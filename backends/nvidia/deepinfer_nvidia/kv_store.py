@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.core import fp8_kv
-from deepinfer_nvidia.fp8_linear import _round_to_e4m3
+from deepinfer_nvidia.fp8_rounding import _round_to_e4m3
 
 # the layout as constants the kernels fold in (the attention kernel reads with the same ones)
 PAGE, PAGE_BYTES = tl.constexpr(fp8_kv.PAGE), tl.constexpr(fp8_kv.PAGE_BYTES)

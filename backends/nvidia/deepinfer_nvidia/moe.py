@@ -43,7 +43,7 @@ import triton.language as tl
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import activation, moe_blocks, moe_grouped, routing
 from deepinfer_nvidia.moe_grouped import e8m0_to_fp32
-from deepinfer_nvidia.fp8_linear import act_quant
+from deepinfer_nvidia.fp8_rounding import act_quant
 
 logger = init_logger(__name__)
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import activation, moe_blocks
-from deepinfer_nvidia.fp8_linear import fp8_rounded
+from deepinfer_nvidia.fp8_rounding import fp8_rounded
 
 # Rows per expert, on average over the layer's experts, from which the grouped GEMM serves a call: below, padding
 # each expert to the M alignment (and for MXFP4 dequantizing every expert) costs more than the Triton kernel loses.
