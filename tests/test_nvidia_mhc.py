@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidi
 
 from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand  # noqa: E402
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC  # noqa: E402
-from deepinfer_nvidia.mhc import GEMM_TOKENS, TritonMHC  # noqa: E402
+from deepinfer_nvidia.mhc import GEMM_TOKENS, ONE_PASS_MAX_WIDTH, TritonMHC  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -132,9 +132,11 @@ def test_weights_read_strided_streams():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, n, width", [(1, 4, 64), (9, 4, 96), (3, 2, 2048), (2, 4, 3000), (0, 4, 64)])
+@pytest.mark.parametrize("tokens, n, width", [(1, 4, 64), (9, 4, 96), (3, 2, 2048), (2, 4, 3000), (0, 4, 64),
+                                              (2, 2, ONE_PASS_MAX_WIDTH + 100)])
 def test_collapse_and_expand_match_the_reference(tokens, n, width, dtype):
-    """One pass over the streams each, in fp32 rounded once, as ``core.ops`` computes them."""
+    """In fp32 rounded once, as ``core.ops`` computes them; the collapse in one read of a row, or in two passes
+    of tiles over rows wider than ``ONE_PASS_MAX_WIDTH``."""
     g = torch.Generator().manual_seed(tokens * 13 + width)
     streams = torch.randn(tokens, n, width, generator=g).to(dtype).to(DEVICE)
     output = torch.randn(tokens, width, generator=g).to(dtype).to(DEVICE)

@@ -134,9 +134,11 @@ def test_blocks_cover_every_assignment_once(tokens, experts, top_k, bm):
 
 
 @pytest.mark.parametrize("bm", [SMALL_BM, LARGE_BM])
-@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 3), (5, 4, 2), (40, 8, 2), (3, 256, 6), (170, 256, 6)])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 3), (5, 4, 2), (40, 8, 2), (3, 256, 6), (170, 256, 6),
+                                                     (64, 384, 6)])
 def test_one_launch_blocks_equal_the_sorted_ones(tokens, experts, top_k, bm):
-    """The decode path's single-program block table is ``_blocks``'s exactly: stable order, every block."""
+    """The decode path's one-launch block table is ``_blocks``'s exactly: stable order, every block (several
+    programs from 64 assignments or blocks on)."""
     g = torch.Generator().manual_seed(tokens + experts)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids[: tokens // 2, 0] = experts - 1  # a popular expert
