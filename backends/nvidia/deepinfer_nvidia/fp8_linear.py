@@ -224,16 +224,17 @@ def split_count(n: int, num_blocks: int, programs: int) -> int:
     return triton.cdiv(num_blocks, triton.cdiv(num_blocks, splits))  # every split gets at least one block
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The split GEMM's per-column-tile arrival counters: zero between calls (each call's last split zeroes its
-    own), so one buffer per device serves every call in stream order, graph replays included."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = _ARRIVALS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return counters
+    own), so one buffer per device serves every call in stream order, graph replays included. A wider call gets a
+    larger buffer; the smaller ones stay allocated, since captured graphs hold their addresses."""
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < tiles:
+        buffers.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 @functools.cache
