@@ -10,8 +10,8 @@ import torch
 # (subnormal floats make CPU kernels ~100x slower; see LLMEngine).
 torch.set_flush_denormal(True)
 
-from deepinfer import (bench, bench_load, bench_parallel, bench_replay, bench_speculative,  # noqa: E402
-                       bench_structured, cli_commands)
+from deepinfer import (bench, bench_fullscale, bench_load, bench_parallel, bench_replay,  # noqa: E402
+                       bench_speculative, bench_structured, cli_commands)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     bench_replay.add_arguments(kinds.add_parser("replay", help="prefill with SWA bounded replay off and compact"))
     bench_structured.add_arguments(kinds.add_parser("structured", help="decode with and without a JSON schema"))
     bench_parallel.add_arguments(kinds.add_parser("parallel", help="one rank against data/expert parallelism, EPLB"))
+    bench_fullscale.add_arguments(kinds.add_parser("fullscale", help="a model across N GPUs: data-parallel attention, "
+                                                   "expert-parallel experts (no one-GPU peer)"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         (bench_load.main if args.kind == "load" else bench.main)(args)

@@ -9,7 +9,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main
-from deepinfer.testing.flash_fixtures import write_fixture
+from deepinfer.testing.flash_fixtures import FIXTURES, write_fixture
 
 # flash4L's layer pattern and vocabulary at a size a CPU test can hold
 SHRUNK = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_attention_heads=4, head_dim=64,
@@ -45,6 +45,28 @@ def test_bench_throughput_on_the_embedded_model_reports_vllm_keys(tmp_path, caps
     assert run["requests_per_second"] == 3 / run["elapsed_time"]
 
 
+def test_bench_fullscale_reports_load_prefill_and_decode_per_gpu(tmp_path):
+    """Issue 15's bench on the embedded model across two CPU ranks (experts split between them)."""
+    out = tmp_path / "fullscale.json"
+    main(["bench", "fullscale", "--model", "deepinfer-tiny-v4.1", "--ranks", "2", "--device", "cpu",
+          "--batch-sizes", "1", "3", "--prefill-len", "40", "--input-len", "12", "--output-len", "4",
+          "--output-json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["ranks"] == 2 and result["speculative_decoding"] is False and result["load_time_s"] > 0
+    prefill = result["prefill"]
+    assert prefill["prompts"] == 2 and prefill["tokens_per_second"] == 2 * 40 / prefill["seconds"]
+    assert [d["batch_per_gpu"] for d in result["decode"]] == [1, 3]
+    for decode in result["decode"]:
+        assert decode["tokens_per_second"] == 2 * decode["tokens_per_second_per_gpu"] > 0
+
+
+@pytest.mark.parametrize("flags, complaint", [(["--output-len", "1"], "output-len"), (["--ranks", "0"], "ranks"),
+                                              (["--compare-hf"], "compare-hf")])
+def test_bench_fullscale_refuses_what_it_cannot_measure(flags, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        main(["bench", "fullscale", "--model", "deepinfer-tiny-v4.1", "--device", "cpu", *flags])
+
+
 def test_flash4l_fixture_loads_dummy_bf16_weights(tmp_path):
     model_dir = write_fixture("flash4L", tmp_path / "flash4L", **SHRUNK)
     llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
@@ -57,15 +79,21 @@ def test_flash4l_fixture_loads_dummy_bf16_weights(tmp_path):
     assert len(outputs[0].outputs[0].token_ids) > 0
 
 
-def test_v41flash8l_fixture_loads_dummy_released_formats(tmp_path):
+@pytest.mark.parametrize("name", ["v41flash8L", "v41flash"])
+def test_v41_fixtures_load_dummy_released_formats(tmp_path, name):
+    """The V4.1-Flash-shaped fixtures, their widths shrunk and their layer schedules kept (``v41flash``: the
+    release's 40 layers, issue 15's full-scale run)."""
     shrunk = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_attention_heads=4, head_dim=64,
                   qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32, o_groups=2, index_n_heads=4,
                   index_head_dim=32, index_topk=8, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=97,
-                  engram_num_embeddings=[2000])
-    model_dir = write_fixture("v41flash8L", tmp_path / "v41", **shrunk)
+                  engram_num_embeddings=[2000] * len(FIXTURES[name]["engram_layer_ids"]))
+    if name == "v41flash":
+        shrunk |= {"candidate_topk_blocks": 4, "candidate_block_size": 2}
+    model_dir = write_fixture(name, tmp_path / name, **shrunk)
     llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
     model = llm.engine.model
-    assert llm.engine.model_config.compress_ratios == [0, 0, 2, 2, 2, 2, 2, 2]
+    assert llm.engine.model_config.compress_ratios == FIXTURES[name]["compress_ratios"]
+    assert len(model.layers) == FIXTURES[name]["num_hidden_layers"]
     assert model.layers[3].ffn.experts.w1.weight.dtype == torch.int8  # MXFP4, as released
     assert model.layers[3].attn.wq_b.weight.dtype == torch.float8_e4m3fn
     outputs = llm.generate([list(range(3, 300))], use_tqdm=False)

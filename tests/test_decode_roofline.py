@@ -26,3 +26,17 @@ def test_a_step_reads_the_experts_its_routing_touches(tmp_path):
     # the head (and every other dense weight) once a step whatever the batch; the embedding only in its rows
     assert one["other weights"] == many["other weights"] > config.vocab_size * config.hidden_size * 2
     assert one["gathered rows"] == config.hidden_size * 2
+
+
+def test_expert_parallel_ranks_hold_and_read_their_share_of_the_experts(tmp_path):
+    """Issue 15's layout: N ranks each hold E/N experts and every other weight, and the N ranks' tokens route
+    together, so one rank's experts are touched as a single GPU's would be by N times its batch."""
+    sizes, config = roofline.tensor_sizes(write_fixture("flash4L", tmp_path))
+    ranks = 8
+    alone, shared = roofline.step_bytes(sizes, config, 64 * ranks), roofline.step_bytes(sizes, config, 64, ranks)
+    assert shared["routed experts"] == pytest.approx(alone["routed experts"] / ranks)
+    assert shared["other weights"] == alone["other weights"]
+    assert shared["gathered rows"] == pytest.approx(alone["gathered rows"] / ranks)  # its own 64 tokens' rows
+    held, held_alone = roofline.held_bytes(sizes, ranks), roofline.held_bytes(sizes)
+    assert held["routed experts"] == pytest.approx(held_alone["routed experts"] / ranks)
+    assert held["other weights"] == held_alone["other weights"] > 0

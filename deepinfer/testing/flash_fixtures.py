@@ -8,6 +8,13 @@
   MXFP4 experts (384, top-6). Engram keeps the release's heads and widths, but its hash vocabulary is cut from 16M
   to 100k, so its table is 2.5M rows (640 MB) instead of 384M.
 
+- ``v41flash``: DeepSeek-V4.1-Flash's 40 layers at the release's dimensions and formats (issue 15's full-scale run):
+  ratio 0 for layers 0-1, ratio-2 CSA2 for 2-19, ratio-1 for 20-39; KV sources 2, 8, 14, 20; index sources 2, 8, 14,
+  20, 24, 28, 32, 36, with layer 20 publishing candidate blocks; Engram at layers 1 and 14. Engram's hash vocabulary
+  is cut as in ``v41flash8L``: dummy weights are drawn in each process's memory, and the release's two tables (203
+  GB, which ``DEEPINFER_ENGRAM_TABLES=auto`` keeps memory-mapped on the host) would not fit there once per rank.
+  No DSpark stages: their block size and Markov rank are not public.
+
 The tokenizer is the small test one: benchmarks feed token ids, and only decoding the outputs goes through it.
 
     python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L
@@ -70,7 +77,20 @@ V41_FLASH_8L = dict(
                   "original_max_position_embeddings": 65536},
 )
 
-FIXTURES = {"flash4L": FLASH4L, "v41flash8L": V41_FLASH_8L}
+V41_FLASH = {
+    **V41_FLASH_8L,
+    "num_hidden_layers": 40,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [2_500_000, 2_500_000],
+}
+
+FIXTURES = {"flash4L": FLASH4L, "v41flash8L": V41_FLASH_8L, "v41flash": V41_FLASH}
 
 
 def write_fixture(name: str, out_dir: str | Path, **overrides) -> Path:
@@ -79,10 +99,10 @@ def write_fixture(name: str, out_dir: str | Path, **overrides) -> Path:
         raise ValueError(f"unknown fixture {name!r}; known: {sorted(FIXTURES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if name == "v41flash8L":
+    if name.startswith("v41"):
         from deepinfer.testing.tiny_v41 import write_v41_config
 
-        write_v41_config(out, {**V41_FLASH_8L, **overrides}, tokenizer_vocab=TOKENIZER_VOCAB)
+        write_v41_config(out, {**FIXTURES[name], **overrides}, tokenizer_vocab=TOKENIZER_VOCAB)
         return out
     from transformers import DeepseekV4Config
 
