@@ -7,8 +7,8 @@ decode tokens/s per GPU at each of ``--batch-sizes`` (sequences per rank), as ``
 batch generating ``--output-len`` tokens less the same batch generating one, over the tokens between. Every timed
 batch has fresh prompts (no prefix-cache hit) and follows a warm-up of its shape (kernels compiled, graphs
 captured). Speculative decoding is on when the environment turns it on (``DEEPINFER_ENABLE_MTP_VARLEN=1``); the
-run records which. (With more than one rank the engine refuses it for now: draft passes would need every rank to run
-them together.)
+run records which, and rank 0's mean acceptance length. Each rank drafts for its own requests: the draft stages'
+experts are not split over the ranks, so draft passes need no exchange.
 """
 
 from __future__ import annotations

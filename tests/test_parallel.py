@@ -1,5 +1,6 @@
-"""Parallelism on 2 CPU processes (Gloo): data parallelism, expert parallelism and EPLB give one process's greedy
-outputs; spawned ranks and torchrun ranks; a failing rank ends the job with its error."""
+"""Parallelism on 2 CPU processes (Gloo): data parallelism, expert parallelism (with speculative decoding too) and
+EPLB give one process's greedy outputs; spawned ranks and torchrun ranks; a failing rank ends the job with its
+error."""
 
 import json
 import os
@@ -13,10 +14,10 @@ import torch
 
 import counting_exchange_plugin
 import parallel_fault_plugin
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, envs
 from deepinfer.core.config import EngineConfig
 from deepinfer.parallel.context_parallel import zigzag_owners
-from deepinfer.plugins.manager import load_plugins, pm
+from deepinfer.plugins.manager import load_plugins, pm, registered
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -77,6 +78,30 @@ def test_two_ranks_give_one_process_greedy_outputs(model_and_reference, mode):
             assert min(b.refitted for b in ep.balancedness) < max(b.static for b in ep.balancedness)
         # a second call on the same ranks: the job keeps serving
         assert _tokens(llm.generate(PROMPTS[:3], _params()[:3], use_tqdm=False)) == reference[:3]
+
+
+def test_expert_parallel_ranks_speculate_and_keep_greedy_outputs(model_and_reference, monkeypatch):
+    """Drafts on expert-parallel ranks: each rank drafts for its own requests (the draft stages' experts are not
+    split, so a draft pass needs no exchange), and every verification step runs the target's exchanges on every
+    rank as any step does. Greedy outputs stay one process's without drafts."""
+    model, reference = model_and_reference
+    if model != "deepinfer-tiny-v4.1":
+        pytest.skip("the tiny V4 checkpoint has no MTP layer; the embedded V4.1 model has DSpark stages")
+    mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")  # the spawned rank inherits it
+    envs.reload()
+    with registered(mtp, "mtp"), LLM(model, **ENGINE, **MODES["expert"]) as llm:
+        assert llm.engine.speculator is not None
+        assert _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False)) == reference
+        assert llm.engine.counters()["num_drafts"] > 0  # rank 0 verified drafts
+
+
+def test_context_parallel_ranks_refuse_speculative_decoding(monkeypatch):
+    mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    envs.reload()
+    with registered(mtp, "mtp"), pytest.raises(ValueError, match="speculative decoding with context_parallel_size"):
+        LLM("deepinfer-tiny-v4.1", **ENGINE, **MODES["context"])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL between them)")

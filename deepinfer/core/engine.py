@@ -110,11 +110,9 @@ class LLMEngine:
         if self.context is not None:
             self.graph_blockers.append("context parallelism splits each step's tokens by the step's requests")
         self._set_up_feature_plugins()
-        parallel = [name for name, on in (("enable_expert_parallel=True", self.expert_parallel is not None),
-                                          ("context_parallel_size > 1", self.context is not None)) if on]
-        if parallel and self.speculator is not None:
-            raise ValueError(f"speculative decoding with {parallel[0]} is not supported yet (draft passes would need "
-                             "every rank to run them together); unset DEEPINFER_ENABLE_MTP_VARLEN")
+        if self.context is not None and self.speculator is not None:
+            raise ValueError("speculative decoding with context_parallel_size > 1 is not supported yet (draft passes "
+                             "would need every rank to run them together); unset DEEPINFER_ENABLE_MTP_VARLEN")
         if self.context is not None and self.truncation is not None:
             raise ValueError("SWA bounded replay with context_parallel_size > 1 is not supported yet; unset "
                              "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
