@@ -80,7 +80,8 @@ def test_two_ranks_give_one_process_greedy_outputs(model_and_reference, mode):
         assert _tokens(llm.generate(PROMPTS[:3], _params()[:3], use_tqdm=False)) == reference[:3]
 
 
-def test_expert_parallel_ranks_speculate_and_keep_greedy_outputs(model_and_reference, monkeypatch):
+@pytest.mark.parametrize("mode", ["expert", "eplb"])
+def test_expert_parallel_ranks_speculate_and_keep_greedy_outputs(model_and_reference, mode, monkeypatch):
     """Drafts on expert-parallel ranks: each rank drafts for its own requests (the draft stages' experts are not
     split, so a draft pass needs no exchange), and every verification step runs the target's exchanges on every
     rank as any step does. Greedy outputs stay one process's without drafts."""
@@ -90,10 +91,12 @@ def test_expert_parallel_ranks_speculate_and_keep_greedy_outputs(model_and_refer
     mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")  # the spawned rank inherits it
     envs.reload()
-    with registered(mtp, "mtp"), LLM(model, **ENGINE, **MODES["expert"]) as llm:
+    with registered(mtp, "mtp"), LLM(model, **ENGINE, **MODES[mode]) as llm:
         assert llm.engine.speculator is not None
         assert _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False)) == reference
         assert llm.engine.counters()["num_drafts"] > 0  # rank 0 verified drafts
+        if mode == "eplb":  # experts moved between ranks while drafts were verified
+            assert llm.engine.expert_parallel.swaps >= 1
 
 
 def test_context_parallel_ranks_refuse_speculative_decoding(monkeypatch):
