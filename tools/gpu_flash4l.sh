@@ -17,7 +17,8 @@
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
-# saves the compiling. Results come back as results.tgz.
+# saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
+# is there when the printed tail does not show it).
 set -uo pipefail
 sections=",$1,"
 # the device tool returns a few files only: results go to one archive, repacked as each section starts
@@ -69,7 +70,8 @@ if has debug; then  # the FP8 cache read by Triton's attention faults in padded 
 fi
 if has quicktests; then  # the tests of what changes most often
     stamp quicktests
-    timeout 200 python -m pytest -q -x tests/test_nvidia_moe.py tests/test_nvidia_mhc.py tests/test_cuda_graphs.py 2>&1 | tail -4
+    timeout 200 python -m pytest -q -x tests/test_nvidia_moe.py tests/test_nvidia_mhc.py tests/test_cuda_graphs.py 2>&1 \
+        | tee "$out/quicktests.txt" | tail -4
 fi
 
 if has roofline; then
@@ -93,12 +95,12 @@ if has kernels; then
 fi
 if has logits; then  # V4.1's head: fp32 logits from bf16 weights against cuBLAS on an fp32 copy, and their tests
     stamp logits
-    timeout 120 python -m pytest -q -x tests/test_nvidia_logits.py 2>&1 | tail -2
+    timeout 120 python -m pytest -q -x tests/test_nvidia_logits.py 2>&1 | tee "$out/tests_logits.txt" | tail -2
     timeout 120 python tools/gpu_kernels.py --logits 2>&1 | tee "$out/kernels_logits.json" | tail -30
 fi
 if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then tools/gpu_fp8_linear.py (FP8_PEER: a module timed alongside)
     stamp fp8
-    timeout 240 python -m pytest -q -x tests/test_nvidia_fp8_linear.py 2>&1 | tail -3
+    timeout 240 python -m pytest -q -x tests/test_nvidia_fp8_linear.py 2>&1 | tee "$out/tests_fp8.txt" | tail -3
     PYTHONPATH="$PYTHONPATH:$PWD/tools" timeout 300 python tools/gpu_fp8_linear.py ${FP8_PEER:+--peer $FP8_PEER} 2>&1 | grep -v INFO \
         | tee "$out/fp8_linear.jsonl" | tail -1
 fi
