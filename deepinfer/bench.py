@@ -43,14 +43,22 @@ def _device(args) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def build_llm(args, **overrides):
+    """``LLM`` with every engine option ``_add_common`` parses, then ``overrides`` (batch size, parallelism...): the
+    one place a bench builds its engine, so none drops an option the user gave."""
+    from deepinfer import LLM
+
+    options = dict(dtype=args.dtype, device=args.device, quantization=args.quantization, load_format=args.load_format,
+                   enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+                   max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
+    return LLM(args.model, **(options | overrides))
+
+
 # -- the two engines, behind one "generate exactly n tokens for these prompts" call ---------------------------
 def _deepinfer(args, batch: int):
-    from deepinfer import LLM, SamplingParams
+    from deepinfer import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch, 1),
-              quantization=args.quantization, load_format=args.load_format, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_dtype=args.kv_cache_dtype)
+    llm = build_llm(args, max_num_seqs=max(batch, 1))
 
     def generate(prompts, output_len: int) -> int:
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from deepinfer.bench import _add_common, _prompts, timed_generate
+from deepinfer.bench import _add_common, _prompts, build_llm, timed_generate
 
 
 def run(args, vocab: int) -> dict:
-    from deepinfer import LLM, SamplingParams
+    from deepinfer import SamplingParams
     from deepinfer.envs import get as env
 
     ranks = args.ranks
@@ -33,10 +33,8 @@ def run(args, vocab: int) -> dict:
     if args.compare_hf:
         raise ValueError("--compare-hf: HF transformers cannot hold the model this bench is for on one GPU")
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              load_format=args.load_format, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
-              max_num_seqs=max(args.batch_sizes), data_parallel_size=ranks, enable_expert_parallel=ranks > 1)
+    llm = build_llm(args, max_num_seqs=max(args.batch_sizes), data_parallel_size=ranks,
+                    enable_expert_parallel=ranks > 1)
     results = {"ranks": ranks, "speculative_decoding": bool(env().DEEPINFER_ENABLE_MTP_VARLEN),
                "load_time_s": time.perf_counter() - start}
     if torch.cuda.is_available():

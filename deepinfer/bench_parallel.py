@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from deepinfer.bench import _add_common, _release, timed_generate
+from deepinfer.bench import _add_common, _release, build_llm, timed_generate
 
 
 def _prompts(args, vocab: int) -> list[list[int]]:
@@ -43,12 +43,9 @@ def _configurations(args) -> dict[str, dict]:
 
 
 def _run_one(args, prompts: list[list[int]], parallel: dict) -> dict:
-    from deepinfer import LLM, SamplingParams
+    from deepinfer import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.num_prompts,
-              quantization=args.quantization, load_format=args.load_format, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, **parallel)
+    llm = build_llm(args, max_num_seqs=args.num_prompts, enable_prefix_caching=False, **parallel)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     # the whole workload once first: every kernel compiled and autotuned, every CUDA graph captured (a new
     # engine has an empty prefix cache, but this one keeps the warm-up's: it is off for the timed run's sake)

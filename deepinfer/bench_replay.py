@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from deepinfer.bench import _add_common, _release, _synchronize
+from deepinfer.bench import _add_common, _release, _synchronize, build_llm
 
 def _prompts(args, tokenizer, vocab: int) -> list[list[int]]:
     if args.text_file:
@@ -32,16 +32,14 @@ def _prompts(args, tokenizer, vocab: int) -> list[list[int]]:
 
 
 def _run(args, mode: str, prompts: list[list[int]] | None) -> dict:
-    from deepinfer import LLM, SamplingParams, envs
+    from deepinfer import SamplingParams, envs
 
     os.environ["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] = mode
     os.environ["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"] = str(args.keep_tokens)
     envs.reload()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
-              quantization=args.quantization, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len or args.input_len + args.output_len + 8,
-              max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
-              enable_prefix_caching=False)  # every timed prefill computes its prompts (compact's would miss)
+    llm = build_llm(args, max_num_seqs=args.batch_size,
+                    max_model_len=args.max_model_len or args.input_len + args.output_len + 8,
+                    enable_prefix_caching=False)  # every timed prefill computes its prompts (compact's would miss)
     if mode == "compact" and llm.engine.truncation is None:
         raise SystemExit("no prefill truncation plugin serves compact mode (is features/swa_replay installed?)")
     if prompts is None:  # drawn once: both modes must see the same prompts, whatever happens to --text-file

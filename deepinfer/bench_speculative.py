@@ -14,7 +14,7 @@ import argparse
 import os
 import time
 
-from deepinfer.bench import _add_common, _release, _synchronize
+from deepinfer.bench import _add_common, _release, _synchronize, build_llm
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -32,7 +32,7 @@ MODES = {"without_drafts": None, "fixed_length": "0", "confidence_scheduled": "1
 
 
 def _run(args, batch: int, prompts: list[str], varlen: str | None) -> dict:
-    from deepinfer import LLM, SamplingParams, envs
+    from deepinfer import SamplingParams, envs
 
     speculative = varlen is not None
     if speculative:
@@ -40,9 +40,7 @@ def _run(args, batch: int, prompts: list[str], varlen: str | None) -> dict:
     else:
         os.environ.pop("DEEPINFER_ENABLE_MTP_VARLEN", None)
     envs.reload()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch, 1),
-              quantization=args.quantization, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype)
+    llm = build_llm(args, max_num_seqs=max(batch, 1))
     if speculative and llm.engine.speculator is None:
         raise SystemExit(f"no drafter serves this model with DEEPINFER_ENABLE_MTP_VARLEN={varlen} (is features/mtp "
                          "installed?)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from deepinfer.bench import _add_common, timed_generate
+from deepinfer.bench import _add_common, build_llm, timed_generate
 from deepinfer.bench_speculative import PROMPTS
 
 SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
@@ -21,14 +21,12 @@ SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
 
 
 def run(args, vocab: int) -> dict:
-    from deepinfer import LLM, SamplingParams
+    from deepinfer import SamplingParams
 
     if args.compare_hf:
         raise SystemExit("bench structured compares DeepInfer with itself: --compare-hf does not apply")
     schema = json.load(open(args.schema_file)) if args.schema_file else SCHEMA
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
-              quantization=args.quantization, enforce_eager=args.enforce_eager,
-              max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format)
+    llm = build_llm(args, max_num_seqs=args.batch_size)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch_size)]
     modes = {"unconstrained": None, "json_schema": {"schema_type": "json", "schema": schema}}
     results = {}
