@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
@@ -21,6 +20,7 @@ import triton.language as tl
 from deepinfer.core.ops import fp32_logits
 from deepinfer.core.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
+from deepinfer_nvidia import INTERPRETED
 from deepinfer_nvidia.fp8_rounding import _e4m3_values, _native_fp8, _segment_scale, act_quant
 from deepinfer_nvidia.logits import bf16_logits
 
@@ -166,8 +166,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
         return y.view(*x.shape[:-1], n)
     q, sx = act_quant(flat, activation_block)
     # the interpreter cannot time configurations: it runs the smallest tile
-    if pinned or _INTERPRETED:
-        kernel, tiles = _fp8_gemm_kernel, PINNED_TILES if not _INTERPRETED else {"BM": 16, "BN": 32}
+    if pinned or INTERPRETED:
+        kernel, tiles = _fp8_gemm_kernel, PINNED_TILES if not INTERPRETED else {"BM": 16, "BN": 32}
     else:
         kernel, tiles = _tuned_gemm(), {}
 
@@ -207,13 +207,13 @@ def _few_rows_gemm(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
         q, sx, weight, scales, y, partials, _arrival_counters(flat.device, tiles), m, n, k, q.stride(0),
         weight.stride(0), scales.stride(0), y.stride(0), NUM_BLOCKS=num_blocks, BLOCKS_PER_SPLIT=per_split,
         SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), BM=rows,
-        QUANTIZE=one_launch, SUM_HERE=one_launch, **({"BN": tile_n} if _INTERPRETED else FEW_ROWS_TILES))
+        QUANTIZE=one_launch, SUM_HERE=one_launch, **({"BN": tile_n} if INTERPRETED else FEW_ROWS_TILES))
     if splits > 1 and not one_launch:
         _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, y, m * n, SPLITS=splits, BLOCK=1024)
 
 
 def _few_rows_tile_n() -> int:
-    return 32 if _INTERPRETED else FEW_ROWS_TILES["BN"]
+    return 32 if INTERPRETED else FEW_ROWS_TILES["BN"]
 
 
 def split_count(n: int, num_blocks: int, programs: int) -> int:
@@ -244,9 +244,6 @@ def _programs_wanted(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @functools.cache
 def _tuned_gemm():
     """The GEMM autotuned once per (token-count bucket, N, K)."""
@@ -264,7 +261,6 @@ def _fp32_scales(scale: torch.Tensor) -> torch.Tensor:
     if cached is None:
         cached = scale._deepinfer_fp32 = scale.float().contiguous()
     return cached
-
 
 
 def deep_gemm_serves(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int) -> bool:

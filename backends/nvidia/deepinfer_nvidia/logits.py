@@ -10,13 +10,11 @@ and so is a product of two bf16 values in fp32: the result is the fp32 product u
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from deepinfer_nvidia import INTERPRETED
 
 
 @triton.jit
@@ -63,7 +61,7 @@ def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor, pinned: bool = False
     if not rows:
         return out
     tiles = DECODE_TILES if pinned or rows <= 16 else BATCH_TILES
-    if _INTERPRETED:
+    if INTERPRETED:
         tiles = {**tiles, "BN": 32, "num_stages": 1}
     grid = (triton.cdiv(rows, tiles["BM"]), triton.cdiv(vocab, tiles["BN"]))
     _bf16_logits_kernel[grid](hidden, weight, out, rows, vocab, width, hidden.stride(0), weight.stride(0),

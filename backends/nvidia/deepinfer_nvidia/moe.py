@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import activation, moe_blocks, moe_grouped, routing
+from deepinfer_nvidia import INTERPRETED, activation, moe_blocks, moe_grouped, routing
 from deepinfer_nvidia.moe_grouped import e8m0_to_fp32
 from deepinfer_nvidia.fp8_rounding import act_quant
 
@@ -270,9 +269,6 @@ def _grid(blocks, n):
     return (len(blocks[0]), triton.cdiv(n, bn)), bn
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # (BN, BK, warps, stages) the MXFP4 kernel's tuner times
 FP4_TILE_SHAPES = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (32, 256, 4, 2),
                    (64, 256, 8, 2), (16, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3)]
@@ -334,7 +330,7 @@ def _fp4_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, 
         return len(blocks[0]), triton.cdiv(n, meta["BN"])
 
     # the interpreter cannot time configurations: it runs one
-    if _INTERPRETED or a.device.type != "cuda":
+    if INTERPRETED or a.device.type != "cuda":
         kernel, tiles = _fp4_experts_kernel, {"BN": _grid(blocks, n)[1], "BK": 128 if k % 128 == 0 else 32}
     elif pinned:
         kernel, tiles = _fp4_experts_kernel, PINNED_FP4_TILES | {"BK": max(bk for bk in (128, 64, 32) if k % bk == 0)}
