@@ -79,6 +79,23 @@ def test_flash4l_fixture_loads_dummy_bf16_weights(tmp_path):
     assert len(outputs[0].outputs[0].token_ids) > 0
 
 
+def test_flash4lfp8_fixture_loads_dummy_fp8_experts(tmp_path):
+    """V4-Flash-Base's formats: the routed experts FP8 like the projections (``expert_dtype`` "fp8"), not MXFP4."""
+    model_dir = write_fixture("flash4Lfp8", tmp_path / "flash4Lfp8", **SHRUNK)
+    llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
+    layer = llm.engine.model.layers[3]
+    assert layer.ffn.experts.w1.weight.dtype == layer.attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    assert layer.ffn.experts.w1.scale.shape[-2:] == (1, 1)  # one 128 x 128 tile of a shrunk [32, 64] expert
+    outputs = llm.generate([list(range(3, 300))], use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) > 0
+
+
+def test_expert_dtype_must_be_a_known_format(tmp_path):
+    model_dir = write_fixture("flash4Lfp8", tmp_path / "bad", **SHRUNK, expert_dtype="fp6")
+    with pytest.raises(ValueError, match="expert_dtype must be 'fp4' or 'fp8'; got 'fp6'"):
+        LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
+
+
 @pytest.mark.parametrize("name", ["v41flash8L", "v41flash"])
 def test_v41_fixtures_load_dummy_released_formats(tmp_path, name):
     """The V4.1-Flash-shaped fixtures, their widths shrunk and their layer schedules kept (``v41flash``: the

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.quantization import quantize_fp4, quantize_fp8  # noqa: E402
+from deepinfer.core.quantization import quantize_fp4  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia import moe as moe_module  # noqa: E402
@@ -150,21 +150,6 @@ def test_one_launch_blocks_equal_the_sorted_ones(tokens, experts, top_k, bm):
     assert torch.equal(sorted_rows, torch.arange(ids.numel(), dtype=torch.int32, device=DEVICE))
     for fused, expected in zip(fused_blocks, blocks):
         assert torch.equal(fused, expected)
-
-
-def test_fp8_experts_fall_back_to_the_reference_with_a_warning(monkeypatch):
-    warnings = []
-    monkeypatch.setattr(moe_module, "log_once", lambda logger, level, message: warnings.append(message))
-    g = torch.Generator().manual_seed(3)
-    float_weights = _experts(torch.float32, 4, 64, 32, 32, g)
-    stacks = [tuple(torch.stack(t) for t in zip(*(quantize_fp8(w, 32, 32) for w in stack)))
-              for stack in (float_weights.w1, float_weights.w3, float_weights.w2)]
-    (w1, s1), (w3, s3), (w2, s2) = stacks
-    weights = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, 32)
-    x, ids, topk_weights = _inputs(3, 4, 2, 64, torch.float32, g)
-    ours = TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights)
-    assert torch.equal(ours, TorchMoE().routed_experts(x, ids, topk_weights, weights))
-    assert len(warnings) == 1 and "float8_e4m3fn" in warnings[0]
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

@@ -6,7 +6,7 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
+# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
@@ -107,6 +107,22 @@ fi
 if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
     stamp mxfp4
     timeout ${MXFP4_TIMEOUT:-360} python tools/gpu_mxfp4.py 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -12
+fi
+if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton against DeepGEMM's masked GEMM per layer, then
+    # flash4Lfp8's replayed decode steps with DeepGEMM serving them and with Triton only (DEEPINFER_KERNELS=triton)
+    stamp fp8experts
+    timeout 300 python -m pytest -q tests/test_nvidia_moe_fp8.py tests/test_nvidia_moe.py 2>&1 \
+        | tee "$out/tests_fp8experts.txt" | tail -3
+    PYTHONPATH="$PYTHONPATH:$PWD/tools" timeout 200 python tools/gpu_fp8_experts.py 2>&1 | grep -v INFO \
+        | tee "$out/fp8_experts.jsonl"
+    python -m deepinfer.testing.flash_fixtures flash4Lfp8 /tmp/flash4Lfp8 >/dev/null
+    for kernels in auto triton; do
+        for b in ${FP8_BATCHES:-1 64}; do
+            stamp "flash4Lfp8 b$b kernels=$kernels"
+            DEEPINFER_KERNELS=$kernels timeout 200 python tools/profile_decode.py /tmp/flash4Lfp8 --dummy --graphs \
+                --steps 48 --top 8 --trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/flash4Lfp8.jsonl"
+        done
+    done
 fi
 if has glue; then  # the fused decode-step glue against its torch reference only
     stamp glue

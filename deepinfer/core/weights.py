@@ -305,17 +305,17 @@ def load_state_dict(model_dir: str | os.PathLike[str], expected: dict[str, Tenso
     return {**targets, **stream_into(plan, targets, progress=False)}
 
 
-def dummy_layout(expected: dict[str, TensorSpec], quantizable: set[str], block: tuple[int, int]
-                 ) -> dict[str, TensorSpec]:
+def dummy_layout(expected: dict[str, TensorSpec], quantizable: set[str], block: tuple[int, int],
+                 fp8_experts: bool = False) -> dict[str, TensorSpec]:
     """The released formats without a checkpoint: quantizable projections FP8 in ``block`` tiles, routed experts
-    packed MXFP4, everything else as ``expected``."""
+    packed MXFP4 (FP8 like the rest with ``fp8_experts``: V4-Flash-Base), everything else as ``expected``."""
     layout = {}
     for name, (shape, dtype) in expected.items():
         shape = tuple(shape)
         if name not in quantizable:
             layout[name] = (shape, dtype)
             continue
-        stored_dtype = torch.int8 if ".experts." in name else torch.float8_e4m3fn
+        stored_dtype = torch.int8 if ".experts." in name and not fp8_experts else torch.float8_e4m3fn
         stored = (*shape[:-1], shape[-1] // 2) if stored_dtype == torch.int8 else shape
         layout[name] = (stored, stored_dtype)
         layout[f"{name.removesuffix('weight')}scale"] = (scale_shape(stored, stored_dtype, block), torch.float8_e8m0fnu)

@@ -37,7 +37,8 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
     block = model_config.weight_block_size
     if load_format == "dummy":
         mapped = {name for name in expected if model.memory_mapped(name)}
-        layout = dummy_layout({n: s for n, s in expected.items() if n not in mapped}, quantizable, block)
+        layout = dummy_layout({n: s for n, s in expected.items() if n not in mapped}, quantizable, block,
+                              fp8_experts=getattr(model_config, "expert_dtype", "fp4") == "fp8")
         tensors = materialize(model, layout, model.checkpoint_name, device, linear, block[1])
         extras = {name: torch.empty(expected[name][0], dtype=expected[name][1]) for name in mapped}
         fill_dummy({**tensors, **extras}, seed, model_config.n_routed_experts)

@@ -3,6 +3,8 @@
 - ``flash4L``: DeepSeek-V4-Flash's first four layers (sliding, sliding, CSA, HCA; the first three hash-routed) at
   the release's dimensions, bf16 weights throughout. HF transformers' ``DeepseekV4Config`` defaults are V4-Flash's
   values, so the fixture only names what it changes.
+- ``flash4Lfp8``: ``flash4L`` in V4-Flash-Base's formats: every projection and routed expert FP8 e4m3 in 128 x 128
+  tiles (``expert_dtype`` "fp8"), the rest bf16.
 - ``v41flash8L``: DeepSeek-V4.1-Flash's first eight layers (sliding, sliding with Engram, then six ratio-2 CSA2
   layers reading layer 2's KV and index source) at the release's dimensions and formats: FP8 32x32 projections,
   MXFP4 experts (384, top-6). Engram keeps the release's heads and widths, but its hash vocabulary is cut from 16M
@@ -38,6 +40,12 @@ FLASH4L = dict(
     max_position_embeddings=65536,
     rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
                      "beta_fast": 32, "beta_slow": 1},
+)
+
+FLASH4L_FP8 = dict(
+    **FLASH4L,
+    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    expert_dtype="fp8",
 )
 
 V41_FLASH_8L = dict(
@@ -90,7 +98,7 @@ V41_FLASH = {
     "engram_num_embeddings": [2_500_000, 2_500_000],
 }
 
-FIXTURES = {"flash4L": FLASH4L, "v41flash8L": V41_FLASH_8L, "v41flash": V41_FLASH}
+FIXTURES = {"flash4L": FLASH4L, "flash4Lfp8": FLASH4L_FP8, "v41flash8L": V41_FLASH_8L, "v41flash": V41_FLASH}
 
 
 def write_fixture(name: str, out_dir: str | Path, **overrides) -> Path:

@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, fp8_rounding, kv_store, logits, mhc,
-                              moe, moe_blocks, moe_grouped, norm, rope, routing, slots)
+                              moe, moe_blocks, moe_fp8, moe_grouped, norm, rope, routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -85,6 +85,13 @@ CASES = {
     "float experts": (moe._float_experts_kernel, {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*bf16",
                                                   "v_ptr": "*bf16"},
                       {"K": 4096, "BLOCK_M": 64, "BN": 64, "BK": 64, "SWIGLU": True, "NATIVE": True}),
+    **{f"fp8 experts, {rows}-row blocks, {chunk}-column chunks": (
+        moe_fp8._fp8_experts_kernel,
+        {**EXPERT_POINTERS, "a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "w_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv",
+         "sw_ptr": "*u8", "sv_ptr": "*u8"},
+        {"K": 4096, "ACT_BLOCK": 128, "ROW_TILE": chunk, "COL_TILE": chunk, "BLOCK_M": rows, "BN": 64, "BK": chunk,
+         "SWIGLU": True, "NATIVE_FP8": True})
+        for rows, chunk in ((16, 128), (64, 128), (16, 32))},
     "expert blocks": (moe_blocks._blocks_kernel, {"ids_ptr": "*i64", **{f"{n}_ptr": "*i32" for n in (
                           "order", "token_of", "sorted_rows", "expert", "start", "rows")}},
                       {"TOP_K": 6, "BM": 16, "E_PAD": 256, "CHUNK": 16}),

@@ -98,6 +98,16 @@ def grouped_bf16_gemm():
     return module.m_grouped_bf16_gemm_nt_contiguous, module.get_mk_alignment_for_contiguous_layout()
 
 
+def masked_fp8_gemm():
+    """``(gemm, align)``: DeepGEMM's ``m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, expected_m)``
+    and the M alignment its slabs are given (the contiguous layout's), or ``(None, 0)`` where DeepGEMM did not
+    load."""
+    module, _ = deep_gemm()
+    if module is None:
+        return None, 0
+    return module.m_grouped_fp8_gemm_nt_masked, module.get_mk_alignment_for_contiguous_layout()
+
+
 def report() -> str:
     """One line for build.sh and the engine log: what loaded, and why the rest did not."""
     lines = []

@@ -1,5 +1,5 @@
 """Routed experts in Triton, one grouped GEMM launch per projection for all experts: packed MXFP4 weights (what the
-releases ship) or float ones (bf16, fp16, fp32: tiny and converted models).
+releases ship), FP8 ones (V4-Flash-Base; ``moe_fp8``) or float ones (bf16, fp16, fp32: tiny and converted models).
 
 Assignments (token, expert) are sorted by expert and cut into blocks of ``bm`` rows (16 at decode, 64 in long
 prefills) that each belong to one expert (``moe_blocks`` builds that table in one launch at decode). How many blocks
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import INTERPRETED, activation, moe_blocks, moe_grouped, routing
+from deepinfer_nvidia import INTERPRETED, activation, moe_blocks, moe_fp8, moe_grouped, routing
 from deepinfer_nvidia.moe_grouped import e8m0_to_fp32
 from deepinfer_nvidia.fp8_rounding import act_quant
 
@@ -144,31 +144,6 @@ def _float_chunk(acc, a, w_ptrs, mask, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit,
-           SWIGLU: tl.constexpr):
-    """Writes the tile (or swiglu of it and ``up``) to the output rows that ``out_rows`` names for its rows."""
-    if SWIGLU:  # deepinfer.core.ops.swiglu, in fp32
-        gate = tl.minimum(acc, limit)
-        acc = gate * tl.sigmoid(gate) * tl.clamp(up, -limit, limit)
-    rows = tl.load(out_rows_ptr + start + offs_m, mask=m_ok, other=0)
-    tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr, N, BLOCK_M: tl.constexpr, BN: tl.constexpr):
-    """This program's expert, first sorted row, row and column offsets with their masks, and the rows of ``a``
-    its assignments read."""
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)  # times its stride: past 2^31 in a large layer
-    start = tl.load(block_start_ptr + block)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < count
-    rows = tl.load(a_rows_ptr + start + offs_m, mask=m_ok, other=0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    return expert, start, offs_m, m_ok, rows, offs_n, offs_n < N
-
-
-@triton.jit
 def _fp4_rows(a_ptr, sa_ptr, rows, m_ok, w_ptr, v_ptr, sw_ptr, sv_ptr, w_tile, s_tile, n_ok, stride_a, stride_sa,
               K: tl.constexpr, ACT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               SWIGLU: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr, WORD_SCALES: tl.constexpr):
@@ -212,13 +187,14 @@ def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr,
     count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
-    expert, start, offs_m, m_ok, rows, offs_n, n_ok = _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr,
-                                                                  N, BLOCK_M, BN)
+    expert, start, offs_m, m_ok, rows, offs_n, n_ok = moe_blocks.block_tile(count, block_expert_ptr, block_start_ptr,
+                                                                             a_rows_ptr, N, BLOCK_M, BN)
     w_tile = expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     s_tile = expert * stride_swe + offs_n * stride_swn
     acc, up = _fp4_rows(a_ptr, sa_ptr, rows, m_ok, w_ptr, v_ptr, sw_ptr, sv_ptr, w_tile, s_tile, n_ok, stride_a,
                         stride_sa, K, ACT_BLOCK, BLOCK_M, BN, BK, SWIGLU, NATIVE, PACKED, WORD_SCALES)
-    _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
+    moe_blocks.store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit,
+                           SWIGLU)
 
 
 @triton.jit
@@ -230,8 +206,8 @@ def _float_experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, out_ptr, out_rows_ptr
     count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
-    expert, start, offs_m, m_ok, rows, offs_n, n_ok = _block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr,
-                                                                  N, BLOCK_M, BN)
+    expert, start, offs_m, m_ok, rows, offs_n, n_ok = moe_blocks.block_tile(count, block_expert_ptr, block_start_ptr,
+                                                                             a_rows_ptr, N, BLOCK_M, BN)
     w_tile = expert * stride_we + offs_n[:, None] * stride_wn
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
@@ -243,7 +219,8 @@ def _float_experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, out_ptr, out_rows_ptr
         acc = _float_chunk(acc, a, w_ptr + w_tile + k[None, :], w_ok, NATIVE)
         if SWIGLU:
             up = _float_chunk(up, a, v_ptr + w_tile + k[None, :], w_ok, NATIVE)
-    _store(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit, SWIGLU)
+    moe_blocks.store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit,
+                           SWIGLU)
 
 
 def _blocks(topk_ids: torch.Tensor, experts: int, bm: int):
@@ -359,16 +336,20 @@ class TritonMoE:
     name = "triton"
     graph_safe = True
 
-    def __init__(self, reference, pinned: bool = False, grouped_gemm=None, grouped_align: int = 0):
-        self.reference = reference  # serves FP8 experts, which no release ships
+    def __init__(self, reference, pinned: bool = False, grouped_gemm=None, grouped_align: int = 0,
+                 masked_gemm=None, masked_align: int = 0):
+        self.reference = reference  # serves what no kernel here takes (weights of other formats), with a warning
         self.pinned = pinned  # 16-row blocks and one tile configuration whatever the batch (batch-invariant mode)
         self.batch_invariant = pinned
-        # DeepGEMM's m_grouped_bf16_gemm_nt_contiguous and its M alignment: long prefills (moe_grouped)
+        # DeepGEMM's m_grouped_bf16_gemm_nt_contiguous and its M alignment: long prefills (moe_grouped); its
+        # m_grouped_fp8_gemm_nt_masked and its M alignment: FP8 experts at decode (moe_fp8)
         self.grouped_gemm, self.grouped_align = (None, 0) if pinned else (grouped_gemm, grouped_align)
+        self.masked_gemm, self.masked_align = (None, 0) if pinned else (masked_gemm, masked_align)
         if pinned:
             self.name = "triton, pinned tiles (batch-invariant)"
         elif grouped_gemm is not None:
-            self.name = "triton; DeepGEMM's grouped GEMM in long prefills"
+            self.name = "triton; DeepGEMM's grouped GEMM in long prefills" + (
+                " and its masked FP8 GEMM for FP8 experts at decode" if masked_gemm is not None else "")
 
     def route(self, x, token_ids, router):
         return routing.route(x, token_ids, router, pinned=self.pinned)
@@ -379,17 +360,23 @@ class TritonMoE:
     def routed_experts(self, x, topk_ids, topk_weights, weights):
         w1, w3, w2 = weights.w1, weights.w3, weights.w2
         fp4 = w1.dtype == torch.int8
-        if not fp4 and (weights.w1_scale is not None or w1.dtype not in FLOAT_DTYPES):
-            log_once(logger, logging.WARNING, f"{w1.dtype} routed experts: no Triton kernel, the torch reference runs "
-                                              "them (slower, and it syncs with the host: no CUDA graphs)")
+        fp8 = w1.dtype == torch.float8_e4m3fn and weights.w1_scale is not None
+        if fp8 and not moe_fp8.triton_serves(weights, x.device) or not (fp4 or fp8) and (
+                weights.w1_scale is not None or w1.dtype not in FLOAT_DTYPES):
+            narrow = " in tiles under 32 columns" if fp8 else ""
+            log_once(logger, logging.WARNING, f"{w1.dtype} routed experts{narrow}: no Triton kernel, the torch "
+                                              "reference runs them (slower, and it syncs with the host: no CUDA graphs)")
             return self.reference.routed_experts(x, topk_ids, topk_weights, weights)
         # the kernels address w1's and w3's tiles with one set of strides, unit along a row
-        pairs = [(w1, w3)] + ([(weights.w1_scale, weights.w3_scale)] if fp4 else [])
+        pairs = [(w1, w3)] + ([(weights.w1_scale, weights.w3_scale)] if fp4 or fp8 else [])
         if any(a.stride() != b.stride() for a, b in pairs) or w1.stride(-1) != 1 or w2.stride(-1) != 1:
             raise ValueError("routed experts: w1 and w3 (and their scales) need equal strides, and rows unit ones")
         tokens, top_k = topk_ids.shape
         if tokens == 0:
             return torch.zeros_like(x)
+        if fp8 and self.masked_gemm is not None and moe_fp8.masked_serves(tokens, weights):
+            return moe_fp8.masked_routed_experts(self.masked_gemm, self.masked_align, x, topk_ids, topk_weights,
+                                                 weights)
         if self.grouped_gemm is not None and moe_grouped.serves(topk_ids.numel(), weights):
             return moe_grouped.routed_experts(self.grouped_gemm, self.grouped_align, x, topk_ids, topk_weights, weights)
         bm = SMALL_BM if self.pinned else block_rows(topk_ids.numel(), w1.shape[0])
@@ -400,7 +387,12 @@ class TritonMoE:
             token_of, order = (order // top_k).int(), order.int()
             sorted_rows = torch.arange(len(order), dtype=torch.int32, device=x.device)
         limit = weights.swiglu_limit
-        if fp4:
+        if fp8:
+            block, chunk = weights.activation_block, moe_fp8.chunk_columns(weights)
+            h = moe_fp8.fp8_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, block, chunk, w3,
+                                    weights.w3_scale, limit)
+            down = moe_fp8.fp8_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, bm, block, chunk)
+        elif fp4:
             block = weights.activation_block
             h = _fp4_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, block, w3, weights.w3_scale,
                              limit, self.pinned)

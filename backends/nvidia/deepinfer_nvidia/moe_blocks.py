@@ -97,6 +97,31 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
 
 
 @triton.jit
+def store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit,
+                SWIGLU: tl.constexpr):
+    """Writes the tile (or swiglu of it and ``up``) to the output rows that ``out_rows`` names for its rows."""
+    if SWIGLU:  # deepinfer.core.ops.swiglu, in fp32
+        gate = tl.minimum(acc, limit)
+        acc = gate * tl.sigmoid(gate) * tl.clamp(up, -limit, limit)
+    rows = tl.load(out_rows_ptr + start + offs_m, mask=m_ok, other=0)
+    tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr, N, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+    """This program's expert, first sorted row, row and column offsets with their masks, and the rows of ``a``
+    its assignments read."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)  # times its stride: past 2^31 in a large layer
+    start = tl.load(block_start_ptr + block)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < count
+    rows = tl.load(a_rows_ptr + start + offs_m, mask=m_ok, other=0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    return expert, start, offs_m, m_ok, rows, offs_n, offs_n < N
+
+
+@triton.jit
 def _combine_kernel(down_ptr, weights_ptr, out_ptr, D, stride_down, stride_w, stride_out, TOP_K: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)

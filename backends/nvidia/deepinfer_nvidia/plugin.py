@@ -37,18 +37,28 @@ def deepinfer_linear_backend(config, device):
     return TritonLinear(deep_gemm=module)
 
 
+def _masked_fp8_experts(device) -> bool:
+    """Whether DeepGEMM's masked grouped GEMM takes FP8 experts at decode: on SM100, its first target. On the H200
+    (SM90) Triton's grouped kernel streams the same experts 1.2-2.4x faster (BENCHMARKS.md), so it serves them."""
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0] >= 10
+
+
 @hookimpl
 def deepinfer_moe_backend(config, device):
     if device.type != "cuda":
         return None
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
-    from deepinfer_nvidia.deepseek_kernels import grouped_bf16_gemm
+    from deepinfer_nvidia.deepseek_kernels import grouped_bf16_gemm, masked_fp8_gemm
     from deepinfer_nvidia.moe import TritonMoE
 
     if _invariant():
         return TritonMoE(reference=TorchMoE(), pinned=True)
     gemm, align = grouped_bf16_gemm()
-    return TritonMoE(reference=TorchMoE(), grouped_gemm=gemm, grouped_align=align)
+    masked, masked_align = masked_fp8_gemm() if _masked_fp8_experts(device) else (None, 0)
+    return TritonMoE(reference=TorchMoE(), grouped_gemm=gemm, grouped_align=align, masked_gemm=masked,
+                     masked_align=masked_align)
 
 
 @hookimpl
@@ -72,8 +82,9 @@ def deepinfer_attention_backend(config, device):
     else:
         serves = "Triton serves attention"
     if deep_gemm()[0] is not None:
-        gemms = ("DeepGEMM serves FP8 GEMMs with 128 x 128 tiles and the routed experts of long prefills (bf16, "
-                 "MXFP4 dequantized), Triton the rest")
+        masked = " and FP8 experts at decode" if _masked_fp8_experts(device) else ""
+        gemms = (f"DeepGEMM serves FP8 GEMMs with 128 x 128 tiles{masked}, and the routed experts of long prefills "
+                 "(bf16, MXFP4 dequantized), Triton the rest")
     else:
         gemms = "Triton serves GEMMs and MoE"
     log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; {serves}; {gemms}")

@@ -86,6 +86,10 @@ class DeepseekV4ModelConfig:
     max_position_embeddings: int
     dtype: torch.dtype
     quantization_config: dict[str, Any] | None
+    # the routed experts' format where the config declares FP8 weights (``quantization_config``): the releases'
+    # packed MXFP4 ("fp4") or FP8 tiles ("fp8", V4-Flash-Base). Loads read it only for random (dummy) weights:
+    # a checkpoint's files say how each tensor is stored
+    expert_dtype: str = "fp4"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -157,6 +161,7 @@ class DeepseekV4ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
             dtype=_dtype(d),
             quantization_config=d.get("quantization_config"),
+            expert_dtype=d.get("expert_dtype") or "fp4",
         )
 
 
@@ -308,6 +313,8 @@ def _validate(c: DeepseekV4ModelConfig) -> None:
         if getattr(c, field) <= 0:
             raise ValueError(f"{field} must be positive; got {getattr(c, field)}")
     _check_length("compress_ratios", c.compress_ratios, c.num_layers)
+    if c.expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"expert_dtype must be 'fp4' or 'fp8'; got {c.expert_dtype!r}")
     _check_length("hash_layers", c.hash_layers, c.num_layers)
     if any(r < 0 for r in c.compress_ratios):
         raise ValueError(f"compress_ratios must be >= 0; got {c.compress_ratios}")
