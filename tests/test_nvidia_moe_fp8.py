@@ -24,6 +24,7 @@ from deepinfer_nvidia import moe as moe_module  # noqa: E402
 from deepinfer_nvidia import moe_fp8  # noqa: E402
 from deepinfer_nvidia.deepseek_kernels import masked_fp8_gemm  # noqa: E402
 from deepinfer_nvidia.moe import LARGE_BM, TritonMoE, block_rows  # noqa: E402
+from test_nvidia_moe import _inputs  # noqa: E402  (the same routing and activations as the other formats')
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -57,12 +58,6 @@ def _weights(experts: int, hidden: int, inter: int, tile: int, block: int, g: to
 
     (w1, s1), (w3, s3), (w2, s2) = stack(inter, hidden), stack(inter, hidden), stack(hidden, inter)
     return ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, block)
-
-
-def _inputs(tokens: int, experts: int, top_k: int, hidden: int, dtype, g: torch.Generator):
-    x = (torch.randn(tokens, hidden, generator=g) * 2).to(dtype)
-    ids = torch.rand(tokens, experts, generator=g).argsort(1)[:, :top_k]  # distinct experts per token
-    return x.to(DEVICE), ids.to(DEVICE), torch.rand(tokens, top_k, generator=g).to(DEVICE)
 
 
 def _close(ours: torch.Tensor, reference: torch.Tensor, bf16_products: bool, wgmma: bool = False) -> None:
