@@ -19,6 +19,14 @@
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
 # is there when the printed tail does not show it).
+#
+# What travels (the run tool's carry: [".wheels", ".kernels"]): `python3 tools/fetch_kernels.py` for .kernels, and
+# for .wheels the packages the box lacks, without dependencies (it has torch, numpy, pluggy and pytest):
+#   pip download --no-deps -d .wheels jsonschema jsonschema-specifications referencing lark pydantic==2.14.4 \
+#       typing-inspection annotated-types
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .wheels rpds-py xgrammar \
+#       pydantic-core==2.50.5 apache-tvm-ffi
 set -uo pipefail
 sections=",$1,"
 # the device tool returns a few files only: results go to one archive, repacked as each section starts
@@ -109,17 +117,18 @@ if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference
     timeout ${MXFP4_TIMEOUT:-360} python tools/gpu_mxfp4.py 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -12
 fi
 if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton against DeepGEMM's masked GEMM per layer, then
-    # flash4Lfp8's replayed decode steps with DeepGEMM serving them and with Triton only (DEEPINFER_KERNELS=triton)
+    # flash4Lfp8's replayed decode steps (FP8_KERNELS="auto triton" adds a run with Triton only; a fresh box compiles
+    # for minutes before the first replay: twelfth session, 200 s were not enough)
     stamp fp8experts
     timeout 300 python -m pytest -q tests/test_nvidia_moe_fp8.py tests/test_nvidia_moe.py 2>&1 \
         | tee "$out/tests_fp8experts.txt" | tail -3
     PYTHONPATH="$PYTHONPATH:$PWD/tools" timeout 200 python tools/gpu_fp8_experts.py 2>&1 | grep -v INFO \
         | tee "$out/fp8_experts.jsonl"
     python -m deepinfer.testing.flash_fixtures flash4Lfp8 /tmp/flash4Lfp8 >/dev/null
-    for kernels in auto triton; do
+    for kernels in ${FP8_KERNELS:-auto}; do
         for b in ${FP8_BATCHES:-1 64}; do
             stamp "flash4Lfp8 b$b kernels=$kernels"
-            DEEPINFER_KERNELS=$kernels timeout 200 python tools/profile_decode.py /tmp/flash4Lfp8 --dummy --graphs \
+            DEEPINFER_KERNELS=$kernels timeout 330 python tools/profile_decode.py /tmp/flash4Lfp8 --dummy --graphs \
                 --steps 48 --top 8 --trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/flash4Lfp8.jsonl"
         done
     done
