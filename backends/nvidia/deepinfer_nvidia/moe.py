@@ -361,8 +361,11 @@ class TritonMoE:
         w1, w3, w2 = weights.w1, weights.w3, weights.w2
         fp4 = w1.dtype == torch.int8
         fp8 = w1.dtype == torch.float8_e4m3fn and weights.w1_scale is not None
-        if fp8 and not moe_fp8.triton_serves(weights, x.device) or not (fp4 or fp8) and (
-                weights.w1_scale is not None or w1.dtype not in FLOAT_DTYPES):
+        if fp8:
+            served = moe_fp8.triton_serves(weights, x.device)
+        else:
+            served = fp4 or (weights.w1_scale is None and w1.dtype in FLOAT_DTYPES)
+        if not served:
             narrow = " in tiles under 32 columns" if fp8 else ""
             log_once(logger, logging.WARNING, f"{w1.dtype} routed experts{narrow}: no Triton kernel, the torch "
                                               "reference runs them (slower, and it syncs with the host: no CUDA graphs)")
