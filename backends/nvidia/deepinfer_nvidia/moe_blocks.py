@@ -74,6 +74,16 @@ def expert_sorted(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, t
     return sorted_ids, order, first_row
 
 
+def rows_from(sorted_ids: torch.Tensor, order: torch.Tensor, first_row: torch.Tensor,
+              expert_start: torch.Tensor) -> torch.Tensor:
+    """Each assignment's row (in ``topk_ids.flatten()`` order, ``expert_sorted``'s outputs) in a layout where expert
+    ``e``'s rows start at ``expert_start[e]``, in the sorted order; device ops only."""
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - first_row[sorted_ids]
+    rows = torch.empty_like(order)
+    rows[order] = expert_start[sorted_ids] + rank_in_expert
+    return rows
+
+
 def serves(assignments: int) -> bool:
     return assignments <= MAX_ASSIGNMENTS
 

@@ -150,8 +150,8 @@ def masked_routed_experts(masked_gemm, align: int, x, topk_ids, topk_weights, we
     counts = first_row.diff().int()
     expected = -(-tokens * top_k // experts)
     # each assignment's row (in topk_ids.flatten() order) in the slabs: its expert's slab, its rank among its rows
-    slab_row = torch.empty_like(order)
-    slab_row[order] = sorted_ids * max_rows + torch.arange(order.numel(), device=order.device) - first_row[sorted_ids]
+    slab_starts = torch.arange(experts, device=order.device) * max_rows
+    slab_row = moe_blocks.rows_from(sorted_ids, order, first_row, slab_starts)
     slabs = experts * max_rows
 
     def gemm(a, scales, w, w_scale, width):

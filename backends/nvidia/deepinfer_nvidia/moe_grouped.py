@@ -61,9 +61,7 @@ def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int, chunk: i
     sorted_ids, order, first_row = moe_blocks.expert_sorted(topk_ids, experts)
     padded = (first_row.diff() + align - 1) // align * align
     padded_bounds = torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
-    rank_in_expert = torch.arange(flat.numel(), device=flat.device) - first_row[sorted_ids]
-    padded_row = torch.empty_like(order)
-    padded_row[order] = padded_bounds[sorted_ids] + rank_in_expert
+    padded_row = moe_blocks.rows_from(sorted_ids, order, first_row, padded_bounds)
     bounds = padded_bounds.tolist()
     layout = torch.full((bounds[-1],), -1, dtype=torch.int32, device=flat.device)
     layout[padded_row] = (flat % chunk).int()
