@@ -176,8 +176,9 @@ def test_bench_speculative_reports_both_runs_and_acceptance(tmp_path, monkeypatc
         main(["bench", "speculative", "--model", "deepinfer-tiny-v4.1", "--batch-sizes", "2", "--output-len", "12",
               "--quantization", "none", "--output-json", str(out)])
     result = json.loads(out.read_text())["batch_2"]
-    assert result["same_tokens"] and set(result["speedup"]) == {"fixed_length", "confidence_scheduled"}
-    for mode in ("fixed_length", "confidence_scheduled"):
+    assert result["same_tokens"] and set(result["speedup"]) == {"fixed_length", "confidence_scheduled",
+                                                                "fixed_length_synchronous"}
+    for mode in ("fixed_length", "confidence_scheduled", "fixed_length_synchronous"):
         drafted = result[mode]
         assert result["speedup"][mode] > 0 and drafted["drafts"] > 0
         assert drafted["mean_acceptance_length"] == 1 + drafted["accepted_tokens"] / drafted["drafts"]
@@ -185,15 +186,23 @@ def test_bench_speculative_reports_both_runs_and_acceptance(tmp_path, monkeypatc
         assert drafted["per_step_ms"]["draft"] > 0  # the drafter's time per step, reported apart
     assert result["without_drafts"]["per_step_ms"]["draft"] == 0
     assert result["fixed_length"]["draft_tokens"] > result["confidence_scheduled"]["draft_tokens"]
+    # on a CPU no step replays a graph, so none overlaps (test_overlapped_speculation.py runs them padded)
+    assert result["fixed_length"]["overlapped_steps"] == result["fixed_length_synchronous"]["overlapped_steps"] == 0
+    assert result["fixed_length"]["draft_tokens"] == result["fixed_length_synchronous"]["draft_tokens"]
 
 
-def test_drafting_from_padded_graph_steps_matches_eager_steps():
-    """A replayed verification step hands the drafter the features of its real rows only, in step order: drafts
-    and acceptance are those of eager steps (padded steps run eagerly on a CPU, ``capture=False``)."""
+@pytest.mark.parametrize("varlen", ["1", "0"])
+def test_drafting_from_padded_graph_steps_matches_eager_steps(monkeypatch, varlen):
+    """Padded verification steps (as CUDA graphs replay them; eagerly on a CPU, ``capture=False``) overlap the
+    host: the drafter stores the step's kept rows and drafts on the device (``propose_on_device``). Drafts and
+    acceptance are those of eager synchronous steps, which draft from the host, under confidence scheduling and
+    fixed length."""
     from deepinfer.core.cuda_graphs import DecodeGraphs
 
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", varlen)
+    envs.reload()
     prompts = ["def fibonacci(n):", "import os\n", '"""Return the']
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     eager = _embedded(**EXACT)
     expected = eager.generate(prompts, params, use_tqdm=False)
     padded = _embedded(**EXACT)
@@ -205,6 +214,7 @@ def test_drafting_from_padded_graph_steps_matches_eager_steps():
     ours, theirs = engine.speculator.stats, eager.engine.speculator.stats
     assert (ours.num_drafts, ours.num_draft_tokens, ours.num_accepted_tokens) == (
         theirs.num_drafts, theirs.num_draft_tokens, theirs.num_accepted_tokens)
+    assert engine.overlap.launches["following"] > 10 and eager.engine.overlap.launches["following"] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

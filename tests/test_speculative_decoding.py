@@ -88,7 +88,8 @@ def _assert_same(outputs, expected, logprob_tolerance=1e-4):
             continue
         for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
             assert a.keys() == b.keys()
-            assert all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=logprob_tolerance) for t in a)
+            worst = max(abs(a[t].logprob - b[t].logprob) for t in a)
+            assert worst <= logprob_tolerance, f"a logprob moved by {worst:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -186,15 +187,16 @@ def test_chunked_prefill_preemption_and_prefix_caching_with_drafts(tiny_v4_check
 
 
 @pytest.mark.parametrize("asynchronous", ["1", "0"])
-def test_drafts_verify_before_the_next_step_whatever_the_overlap_setting(tiny_v4_checkpoint, greedy_v4, monkeypatch,
-                                                                         asynchronous):
-    """Issue 7's overlap cannot schedule a step before the previous one's tokens are known when drafts follow
-    them: with a drafter the engine resolves each step first, and says so; outputs are the same either way."""
+def test_a_host_only_drafter_verifies_before_the_next_step_whatever_the_overlap_setting(
+        tiny_v4_checkpoint, greedy_v4, monkeypatch, caplog, asynchronous):
+    """A drafter without ``propose_on_device`` needs each step's tokens on the host before it drafts: the engine
+    resolves each step first, and says so (test_overlapped_speculation.py covers drafters that have it)."""
     monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", asynchronous)
     envs.reload()
     outputs, llm = _run(tiny_v4_checkpoint, PROMPTS, GREEDY, OracleDrafter(_reference(greedy_v4), wrong_at=1))
     _assert_same(outputs, greedy_v4)
-    assert not llm.engine.async_scheduling and llm.engine._inflight is None
+    assert not llm.engine.async_scheduling and llm.engine._inflight is None and llm.engine.overlap is None
+    assert ("drafter oracle drafts only from the host's tokens" in caplog.text) == (asynchronous == "1")
 
 
 def test_drafts_never_run_past_max_tokens_or_max_model_len(tiny_v4_checkpoint, greedy_v4):
@@ -327,7 +329,9 @@ def test_verification_steps_padded_for_cuda_graphs_match(which, tiny_v4_checkpoi
     outputs = llm.generate(prompts, params, use_tqdm=False)
     # V4.1's indexer keeps the top 4 compressed entries here, and the padded step's other summation order can flip
     # a near-tie among them (as in test_cuda_graphs' padded decode): the tokens stay the same, logprobs move ~1e-3
-    _assert_same(outputs, expected, logprob_tolerance=1e-4 if which == "v4" else 2e-3)
+    # on a CPU, up to 7.3e-3 on the H200 (the torch reference's CUDA kernels, 2026-12-02)
+    flipped = 1e-2 if torch.cuda.is_available() else 2e-3
+    _assert_same(outputs, expected, logprob_tolerance=1e-4 if which == "v4" else flipped)
     assert len(padded_steps) >= 5 and engine.speculator.stats.num_accepted_tokens > 0
 
 

@@ -102,33 +102,36 @@ class DecodeGraphs:
         return PaddedShape(size * q, blocks, {r: -(-context // r) for r in self.ratios},
                            self.cache.scratch_rows, q)
 
-    def logits(self, scheduled, before_launch=lambda token_ids: None) -> torch.Tensor:
-        """Next-token logits of the scheduled tokens, in step order. ``before_launch`` gets the step's input token
-        ids where the forward pass will read them, before it runs (asynchronous scheduling completes them there)."""
+    def logits(self, scheduled, before_launch=lambda inputs: None, every_row: bool = False,
+               values_on_device: bool = False) -> torch.Tensor:
+        """Next-token logits of the scheduled tokens, in step order. ``before_launch`` gets the step's inputs
+        (``StepInputs``) where the forward pass will read them, before it runs (asynchronous scheduling completes
+        them there). ``every_row``: all ``tokens_per_request`` rows of each scheduled request, padding included
+        ([requests * tokens_per_request]); ``values_on_device``: see ``ForwardBatchBuilder.inputs``."""
         shape = self._shape(scheduled)
-        inputs = self.builder.inputs(scheduled, shape)
+        inputs = self.builder.inputs(scheduled, shape, values_on_device)
+        rows = slice(0, len(scheduled) * self.tokens_per_request) if every_row else None
         if not self.capture:
             inputs = inputs.to(self.builder.device)
-            before_launch(inputs.token_ids)
+            before_launch(inputs)
             hidden = self._forward(inputs)
-            return self._real_rows(scheduled, hidden, getattr(self.model, "features", None))
+            return self._real_rows(scheduled, hidden, getattr(self.model, "features", None), rows)
         key = (shape.num_tokens, shape.blocks)
         captured = self.graphs.get(key)
         if captured is None:
             captured = self.graphs[key] = self._capture(inputs, before_launch)
         else:
             captured.stage(inputs)
-            before_launch(captured.inputs.token_ids)
+            before_launch(captured.inputs)
         captured.graph.replay()
-        return self._real_rows(scheduled, captured.hidden, captured.features)
+        return self._real_rows(scheduled, captured.hidden, captured.features, rows)
 
-    def _real_rows(self, scheduled, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
-        """The real rows' logits, in step order; their features (a drafter's input) go where the drafter reads
-        them. One token per request: a slice, no index to copy in the decode step."""
-        if self.tokens_per_request == 1:
-            rows = slice(0, len(scheduled))
-        else:
-            rows = to_device(real_rows(scheduled, self.tokens_per_request), hidden.device)
+    def _real_rows(self, scheduled, hidden: torch.Tensor, features: torch.Tensor | None, rows=None) -> torch.Tensor:
+        """The real rows' logits (or ``rows``'), in step order; their features (a drafter's input) go where the
+        drafter reads them. One token per request: a slice, no index to copy in the decode step."""
+        if rows is None:
+            rows = (slice(0, len(scheduled)) if self.tokens_per_request == 1 else
+                    to_device(real_rows(scheduled, self.tokens_per_request), hidden.device))
         if features is not None:
             self.model.features = features[rows]
         return self.model.project_vocab(hidden[rows])
@@ -143,7 +146,7 @@ class DecodeGraphs:
         inputs_buffer, inputs = host_inputs.packed_like(self.builder.device)
         captured = _Captured(None, inputs, None, None, inputs_buffer, staging, staging_buffer, torch.cuda.Event())
         captured.stage(host_inputs)
-        before_launch(inputs.token_ids)
+        before_launch(inputs)
         graph, hidden = capture_graph(lambda: self._forward(inputs), self.pool,
                                       f"the decode CUDA graph (batch {inputs.token_ids.shape[0]})")
         logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", inputs.token_ids.shape[0],

@@ -20,6 +20,7 @@ from deepinfer.core.inflight import InFlight
 from deepinfer.core.kv_cache import KVCache, bytes_per_block
 from deepinfer.core.model_source import resolve_model_dir
 from deepinfer.core.output_processor import OutputProcessor
+from deepinfer.core.overlapped_speculation import OverlappedSpeculation
 from deepinfer.core.request import Request
 from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.scheduler import Scheduler, SchedulerLimits
@@ -122,13 +123,22 @@ class LLMEngine:
         self.step_metrics = StepMetrics()
         self.totals = EngineTotals()
         self._clock = StepClock(self.step_metrics, self.device)
-        # drafts follow a request's last token, so a step's tokens are verified before the next step is scheduled
         self.async_scheduling = env.DEEPINFER_ASYNC_SCHEDULING and self.speculator is None
-        if env.DEEPINFER_ASYNC_SCHEDULING and self.speculator is not None:
-            logger.info("asynchronous scheduling is off while speculative decoding is on (each step's drafts need "
-                        "the previous step's tokens)")
+        self.overlap = self._overlapped_speculation(env.DEEPINFER_ASYNC_SCHEDULING)
         self._inflight: InFlight | None = None
         self._structured = None  # the structured-outputs plugin, once a request asks for it
+
+    def _overlapped_speculation(self, asynchronous: bool) -> OverlappedSpeculation | None:
+        if self.speculator is None or not asynchronous:
+            return None
+        drafter = self.speculator.drafter
+        if not hasattr(drafter, "propose_on_device"):
+            logger.info("speculative steps wait for the host (asynchronous scheduling pauses): drafter %s drafts "
+                        "only from the host's tokens (it has no propose_on_device)", drafter.name)
+            return None
+        logger.info("speculative steps overlap the host where verification steps replay CUDA graphs (steady "
+                    "decoding; core/overlapped_speculation.py)")
+        return OverlappedSpeculation(self)
 
     def _collect_step_contexts(self) -> list:
         contexts = call_all("deepinfer_step_context", config=self.config, device=self.device)
@@ -260,7 +270,8 @@ class LLMEngine:
         self.totals.prompt_tokens += len(request.prompt_token_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return (self.scheduler.has_work() or self._inflight is not None
+                or (self.overlap is not None and self.overlap.inflight is not None))
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
@@ -281,10 +292,15 @@ class LLMEngine:
         return finished
 
     def _step(self) -> list[Request]:
-        clock = self._clock
-        clock.start()
+        self._clock.start()
+        if self.overlap is not None:
+            return self.overlap.step()
         scheduled = self.scheduler.schedule()
-        clock.lap("schedule")
+        self._clock.lap("schedule")
+        return self._run(scheduled)
+
+    def _run(self, scheduled) -> list[Request]:
+        clock = self._clock
         if not scheduled:
             if self.expert_parallel is not None:  # every rank runs every step's exchanges
                 self.expert_parallel.idle_step(self.model.dtype)
@@ -306,7 +322,7 @@ class LLMEngine:
             started = clock.event()
 
         if self.graphs is not None and self.graphs.fits(scheduled):
-            logits = self.graphs.logits(scheduled, before_launch=launch)
+            logits = self.graphs.logits(scheduled, before_launch=lambda inputs: launch(inputs.token_ids))
         else:
             batch = self.batch_builder.build(scheduled)
             if self.context is not None:

@@ -234,9 +234,12 @@ class ForwardBatchBuilder:
         return self.derive(inputs if self.device is None else inputs.to(self.device))
 
     # -- host side ----------------------------------------------------------------------------
-    def inputs(self, scheduled: list[tuple[object, int, int]], padded: PaddedShape | None = None) -> StepInputs:
+    def inputs(self, scheduled: list[tuple[object, int, int]], padded: PaddedShape | None = None,
+               values_on_device: bool = False) -> StepInputs:
+        """``values_on_device``: a padded step whose token ids and token history the device writes before it runs
+        (overlapped speculative decoding: the host does not have them yet); they are sent as zeros."""
         if padded is not None and all(n <= padded.tokens_per_request for _, _, n in scheduled):
-            return self._padded_decode_inputs(scheduled, padded)
+            return self._padded_decode_inputs(scheduled, padded, values_on_device)
         requests = [r for r, _, _ in scheduled]
         positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
         owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
@@ -278,7 +281,7 @@ class ForwardBatchBuilder:
             first += n
         return torch.cat(rows), torch.cat(floors)
 
-    def _padded_decode_inputs(self, scheduled, padded: PaddedShape) -> StepInputs:
+    def _padded_decode_inputs(self, scheduled, padded: PaddedShape, values_on_device: bool) -> StepInputs:
         """``padded.pad(self.inputs(scheduled))`` for a decode step (or a verification step: ``tokens_per_request``
         rows per request, ``real_rows`` says which hold its tokens), built as flat padded lists and one tensor each:
         every replayed step comes here, and at batch 64 building the inputs was the largest part of the host's
@@ -287,7 +290,7 @@ class ForwardBatchBuilder:
         requests = padded.num_tokens // q
         token_ids, positions = [], []
         for r, start, n in scheduled:
-            token_ids += r.token_ids[start:start + n] + [0] * (q - n)
+            token_ids += [0] * q if values_on_device else r.token_ids[start:start + n] + [0] * (q - n)
             positions += range(start, start + q)
         pad = [0] * (padded.num_tokens - len(token_ids))
         tables = {}
@@ -300,7 +303,11 @@ class ForwardBatchBuilder:
             flat += [-1] * (blocks * (requests - len(scheduled)))
             tables[kind] = _int64(flat).view(requests, blocks)
         extras = {}
-        if self.token_history:  # computed for the real tokens; padded rows are ignored (zeros)
+        if self.token_history and values_on_device:
+            real = self.host_inputs(torch.zeros(len(token_ids), dtype=torch.int64),
+                                    torch.zeros(len(token_ids), self.token_history, dtype=torch.int64))
+            extras = {name: _pad_rows(t, padded.num_tokens, 0) for name, t in real.items()}
+        elif self.token_history:  # computed for the real tokens; padded rows are ignored (zeros)
             real = self.host_inputs(_int64([t for r, s, n in scheduled for t in r.token_ids[s:s + n]]),
                                     self._history(scheduled))
             if q == 1:  # the real rows come first

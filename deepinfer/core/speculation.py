@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from deepinfer.core.grammar_masks import allowed_drafts
 from deepinfer.core.request import Request
 from deepinfer.logger import init_logger
@@ -62,6 +64,26 @@ def accepted_count(drafts: list[int], sampled: list[int]) -> int:
     while count < len(drafts) and drafts[count] == sampled[count]:
         count += 1
     return count
+
+
+def accepted_on_device(drafts: torch.Tensor, sampled: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """``accepted_count`` per request, without the host: ``drafts`` [B, k] against ``sampled`` [B, k + 1], only the
+    first ``limits`` [B] drafts counting (the rest are padding or beyond what was verified)."""
+    k = drafts.shape[1]
+    match = (drafts == sampled[:, :k]) & (torch.arange(k, device=drafts.device) < limits.unsqueeze(1))
+    return match.long().cumprod(dim=1).sum(dim=1)
+
+
+def verified_lengths_on_device(tokens: torch.Tensor, confidence: torch.Tensor | None, limit: int,
+                               floor: float | None) -> torch.Tensor:
+    """``verified_length`` per request, without the host: [B] for drafts ``tokens`` [B, D] and their
+    ``confidence`` [B, D] (None: no estimates). Survival never grows along a draft, so the prefix kept is the
+    positions whose survival stays at or above ``floor``."""
+    length = min(limit, tokens.shape[1])
+    if floor is None or confidence is None:
+        return torch.full((tokens.shape[0],), length, dtype=torch.int64, device=tokens.device)
+    survival = confidence[:, :length].float().cumprod(dim=1)
+    return (survival >= floor).long().sum(dim=1)
 
 
 @dataclass(slots=True)

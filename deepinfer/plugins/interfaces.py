@@ -322,6 +322,12 @@ class Drafter(Protocol):
 
     # Optional: ``use_cuda_graphs(batch_sizes: list[int]) -> None``, called once when the engine replays decode
     # steps from CUDA graphs of these padded batch sizes, so a drafter may capture its own pass likewise.
+    #
+    # Optional: ``propose_on_device(requests, positions, rows, kept, sampled) -> (tokens [B, D], confidence [B, D]
+    # or None)``, device tensors in and out, never waiting for the device: speculative steps then overlap the host
+    # (``core/overlapped_speculation.py``). The last step computed ``rows`` rows per request from ``positions``
+    # [B]; the first ``kept`` [B] of them stand; ``sampled`` [B, rows] is the token after each row, so
+    # ``sampled[i, kept[i] - 1]`` is request i's new last token, the one the drafts follow.
 
 
 class PrefillTruncation(Protocol):

@@ -57,4 +57,7 @@ class DSparkDrafter(PooledDrafter):
         if not rows or not sum(len(r) for r in rows):
             return
         index = torch.stack([torch.cat(rows), torch.cat(positions), torch.cat(slots)]).to(self.device)
-        self.pool.write(index[2], index[1], self.draft.project_context(features[index[0]]))
+        self._write(index[0], index[1], index[2], None, None, None)
+
+    def _write(self, rows, positions, slots, next_tokens, last_slots, last_rows) -> None:
+        self.pool.write(slots, positions, self.draft.project_context(self.model.features[rows]))

@@ -69,8 +69,12 @@ class MTPDrafter(PooledDrafter):
             return
         index = torch.stack([torch.cat(rows), torch.cat(positions), torch.cat(next_tokens), torch.cat(slots)])
         index = index.to(self.device)
-        streams = features[index[0]].view(index.shape[1], *self.streams.shape[1:])
-        mixed = self.layer.mix(self.model.embed(index[2]), streams)
-        self.pool.write(index[3], index[1], self.layer.window_rows(mixed, self.model.rotary_main.phases(index[1])))
         last = torch.tensor(last).to(self.device)
-        self.streams[last[:, 0]] = features[last[:, 1]].view(len(last), *self.streams.shape[1:])
+        self._write(index[0], index[1], index[3], index[2], last[:, 0], last[:, 1])
+
+    def _write(self, rows, positions, slots, next_tokens, last_slots, last_rows) -> None:
+        features = self.model.features
+        streams = features[rows].view(len(rows), *self.streams.shape[1:])
+        mixed = self.layer.mix(self.model.embed(next_tokens), streams)
+        self.pool.write(slots, positions, self.layer.window_rows(mixed, self.model.rotary_main.phases(positions)))
+        self.streams[last_slots] = features[last_rows].view(len(last_rows), *self.streams.shape[1:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.core.transfer import to_device
 from deepinfer.plugins.interfaces import ComputedRows, Draft
 from deepinfer_mtp.context_pool import ContextPool
 from deepinfer_mtp.draft_graphs import DraftGraphs
@@ -12,8 +13,9 @@ from deepinfer_mtp.draft_graphs import DraftGraphs
 
 class PooledDrafter:
     """Subclasses set ``pool`` and ``device`` and define ``_store(computed)`` (the last step's rows into the
-    pool) and ``_draft(inputs [3, B]) -> tensors [B, ...]`` (each output row's values become one ``Draft``'s
-    fields, in order). A pass starts ``anchor_back`` positions before the end of a request's tokens."""
+    pool, from the host's bookkeeping), ``_write(...)`` (the same on the device, which ``_store`` ends with) and
+    ``_draft(inputs [3, B]) -> tensors [B, ...]`` (each output row's values become one ``Draft``'s fields, in
+    order). A pass starts ``anchor_back`` positions before the end of a request's tokens."""
 
     anchor_back = 1
     pool: ContextPool
@@ -38,7 +40,34 @@ class PooledDrafter:
             outputs = self._draft(inputs.to(self.device))
         return [Draft(*values) for values in zip(*(t.tolist() for t in outputs))]
 
+    def propose_on_device(self, requests: list, positions: torch.Tensor, rows: int, kept: torch.Tensor,
+                          sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``Drafter.propose_on_device``: the step's rows into the pool (the kept ones; the others go to the empty
+        slot, whose rows no request reads), then one draft pass from each request's new last token."""
+        self.pool.release_finished()
+        device = positions.device
+        slots = to_device(torch.tensor([self.pool.slot(r) for r in requests], dtype=torch.int64), device)
+        offsets = torch.arange(rows, device=device)
+        # a ring of ``length`` rows holds the last ``window`` positions: older kept rows would wrap onto newer ones
+        keep = (offsets < kept.unsqueeze(1)) & (offsets >= kept.unsqueeze(1) - self.pool.window)
+        first_row = torch.arange(len(requests), device=device) * rows
+        self._write((first_row.unsqueeze(1) + offsets).flatten(), (positions.unsqueeze(1) + offsets).flatten(),
+                    torch.where(keep, slots.unsqueeze(1), self.pool.empty).flatten(), sampled.flatten(),
+                    slots, first_row + kept - 1)
+        last = sampled.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+        inputs = torch.stack([last, positions + kept + 1 - self.anchor_back, slots])
+        outputs = self.graphs(inputs) if self.graphs is not None and self.graphs.fits(len(requests)) \
+            else self._draft(inputs)
+        return outputs[0], outputs[1] if len(outputs) > 1 else None
+
     def _store(self, computed: list[ComputedRows]) -> None:
+        raise NotImplementedError
+
+    def _write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, next_tokens: torch.Tensor,
+               last_slots: torch.Tensor, last_rows: torch.Tensor) -> None:
+        """On the device: the step's ``rows`` [N] (into the model's features) at ``positions`` [N] of pool
+        ``slots`` [N], each paired with the token after it, ``next_tokens`` [N]; ``last_rows`` [B]: each request's
+        last kept row, in ``last_slots`` [B]."""
         raise NotImplementedError
 
     def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,248 @@
+"""Speculative decoding with asynchronous scheduling: a verification step is launched before the host has the
+previous one's result.
+
+A step's outcome stays on the device: the verifier samples every row, counts each request's accepted drafts
+(``accepted_on_device``) and the drafter drafts from the new last token (``Drafter.propose_on_device``), all
+queued behind the forward pass. The host copies of those results are read one step later. Meanwhile the next step
+is scheduled as if every draft had been accepted: at ``start + rows`` with blocks reserved up to there, and inputs
+the device then corrects before the forward pass reads them. Its positions become ``start + accepted + 1``, its
+tokens the previous step's last sampled token and drafts, and (V4.1's Engram) its token history is taken from the
+previous step's rows. The sampler's output positions (``seq_seed`` noise) get the same offset. Everything else a
+step reads is derived from those positions on the device (``ForwardBatchBuilder.derive``), so a step that follows
+a step with rejected drafts computes the same rows as if the host had waited.
+
+A following step is launched only in the steady state, where nothing about it depends on the unknown count: the
+same requests as the step before (none added), each with room for a full step whatever was accepted, every step
+padded to ``1 + max_drafts`` rows per request (the CUDA graphs' shape), none needing its tokens on the host
+(grammars, penalties, host-side Engram tables). Otherwise the host first resolves the step in flight and the
+engine schedules and runs the next one itself: the first step of a steady run (from the host's drafts) is again
+launched here when it qualifies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, fields
+
+import torch
+
+from deepinfer.core.inflight import _to_host
+from deepinfer.core.request import Request
+from deepinfer.core.sampling_batch import build_sampling_batch
+from deepinfer.core.speculation import accepted_on_device, survival_floor, verified_lengths_on_device
+from deepinfer.core.transfer import to_device
+from deepinfer.plugins.interfaces import SamplerOutput
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What a verification step leaves on the device, per request ([B, ...])."""
+
+    sampled: torch.Tensor  # [B, rows] the token sampled at each row
+    accepted: torch.Tensor  # [B] drafts accepted
+    verified: torch.Tensor  # [B] drafts that counted (the rest of the rows were padding)
+    drafts: torch.Tensor  # [B, rows - 1] the next step's drafts, zero padded
+    lengths: torch.Tensor  # [B] how many of them the next step verifies
+
+    def packed(self) -> torch.Tensor:
+        """[B, 2 * rows + 2]: every field side by side, for one copy to the host (``unpack`` reads it there)."""
+        return torch.cat([self.sampled, self.drafts, torch.stack([self.accepted, self.verified, self.lengths], 1)], 1)
+
+    @staticmethod
+    def unpack(row: list[int], rows: int) -> tuple[list[int], list[int], int, int, int]:
+        """One request's row of ``packed``: sampled tokens, drafts, accepted, verified, lengths."""
+        return row[:rows], row[rows:2 * rows - 1], *row[2 * rows - 1:]
+
+
+@dataclass(slots=True)
+class SpeculativeInFlight:
+    requests: list[Request]
+    rows: int  # per request
+    positions: torch.Tensor  # [B] on the device: each request's first position in the step
+    history: torch.Tensor | None  # [B, h + rows] token ids from ``h`` positions before the first row (Engram)
+    outcome: _Outcome  # on the device
+    host: torch.Tensor  # ``outcome.packed()`` in host memory, complete once ``ready`` is
+    logprobs: SamplerOutput  # host copies of the sampler's logprob outputs per row (None where none was asked)
+    started: torch.cuda.Event | None
+    ready: torch.cuda.Event | None
+
+    def wait(self, clock) -> tuple[list[list[int]], SamplerOutput]:
+        clock.wait(self.started, self.ready)
+        self.ready = None
+        return self.host.tolist(), self.logprobs
+
+
+class OverlappedSpeculation:
+    def __init__(self, engine):
+        self.engine = engine
+        self.speculator = engine.speculator
+        self.rows = 1 + self.speculator.max_drafts
+        self.inflight: SpeculativeInFlight | None = None
+        self.launches = Counter()  # "first" of a steady run, "following" a step in flight
+
+    def step(self) -> list[Request]:
+        e, previous = self.engine, self.inflight
+        if previous is not None:
+            scheduled = self._schedule_after(previous)
+            e._clock.lap("schedule")
+            if scheduled is not None:
+                self.inflight = self._launch(scheduled, previous)
+                return self._resolve(previous)
+            finished = self._resolve(previous)
+            self.inflight = None
+        else:
+            finished = []
+        scheduled = e.scheduler.schedule()
+        e._clock.lap("schedule")
+        if scheduled and self._can_launch(scheduled):
+            self.inflight = self._launch(scheduled, None)
+            return finished
+        return finished + e._run(scheduled)
+
+    # -- which steps ------------------------------------------------------------------------------
+    def _device_ready(self, request: Request) -> bool:
+        """Nothing of its next steps needs the host: no grammar, no penalties, ``min_tokens`` met."""
+        p = request.params
+        return (request.grammar is None and not (p.presence_penalty or p.frequency_penalty)
+                and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
+
+    def _can_launch(self, scheduled) -> bool:
+        """The first step of a steady run: a verification step of decoding requests only, from the host's drafts."""
+        graphs = self.engine.graphs
+        return (graphs is not None and graphs.fits(scheduled) and not self.engine.model.needs_host_tokens
+                and all(self._device_ready(r) for r, _, _ in scheduled))
+
+    def _schedule_after(self, previous: SpeculativeInFlight) -> list[tuple[Request, int, int]] | None:
+        """The next step of a steady run, at each request's latest possible start (every draft accepted), with
+        blocks for it; None where the host must first see ``previous``'s result."""
+        e, rows = self.engine, self.rows
+        requests = [r for r in previous.requests if not r.finished]
+        scheduler = e.scheduler
+        if (not requests or len(requests) != len(scheduler.running) or len(requests) > e.graphs.sizes[-1]
+                or (scheduler.waiting and len(scheduler.running) < scheduler.limits.max_num_seqs)):
+            return None
+        for r in requests:
+            # ``r`` is booked up to ``previous``'s start, and ``previous`` emits at least one token: is one left?
+            left = min(r.params.max_tokens - r.num_output_tokens, e.max_model_len - r.num_computed - 1)
+            if left < 2 or not self._device_ready(r):
+                return None
+        scheduled = []
+        for r in requests:
+            start = r.num_computed + rows
+            if not e.blocks.reserve(r.tables, r.num_computed, start + rows):
+                return None
+            scheduled.append((r, start, rows))
+        return scheduled
+
+    # -- the device's side ------------------------------------------------------------------------
+    def _launch(self, scheduled, previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
+        e, rows, clock = self.engine, self.rows, self.engine._clock
+        device = e.device
+        requests = [r for r, _, _ in scheduled]
+        e.step_metrics.steps += 1
+        e.totals.steps += 1
+        self.launches["following" if previous is not None else "first"] += 1
+        if previous is not None:
+            index = {id(r): i for i, r in enumerate(previous.requests)}
+            source = to_device(torch.tensor([index[id(r)] for r in requests], dtype=torch.int64), device)
+            accepted = previous.outcome.accepted[source]
+            positions = previous.positions[source] + accepted + 1
+            verified = previous.outcome.lengths[source]
+        else:
+            positions = to_device(torch.tensor([start for _, start, _ in scheduled], dtype=torch.int64), device)
+            verified = to_device(torch.tensor([r.num_drafts for r in requests], dtype=torch.int64), device)
+        offsets = torch.arange(rows, device=device)
+        step = {}
+
+        def complete(inputs):  # the inputs are where the forward pass reads them: correct them, time from here
+            clock.lap("prepare")
+            tokens = inputs.token_ids.view(-1, rows)[:len(requests)]
+            if previous is not None:
+                inputs.positions.view(-1, rows)[:len(requests)] = positions.unsqueeze(1) + offsets
+                outcome = previous.outcome
+                last = outcome.sampled[source].gather(1, accepted.unsqueeze(1))
+                tokens.copy_(torch.cat([last, outcome.drafts[source]], dim=1))
+            step["tokens"] = tokens.clone()  # the graph's input buffer is rewritten by the next step
+            step["history"] = self._history(inputs, previous, source if previous else None, step["tokens"])
+            step["started"] = clock.event()
+
+        logits = e.graphs.logits(scheduled, before_launch=complete, every_row=True,
+                                 values_on_device=previous is not None)
+        clock.lap("forward")
+        sampling = build_sampling_batch([(r, j) for r in requests for j in range(rows)], e.model_config.vocab_size,
+                                        device)
+        if previous is not None:  # output positions, as the rows' positions: offset by what was accepted
+            sampling.positions += (accepted + 1).repeat_interleave(rows)
+        sampler_output = e.sampler.sample(logits, sampling)
+        sampled = sampler_output.token_ids.view(len(requests), rows)
+        accepted_now = accepted_on_device(step["tokens"][:, 1:], sampled, verified)
+        clock.lap("sample")
+        drafts, confidence = self.speculator.drafter.propose_on_device(requests, positions, rows, accepted_now + 1,
+                                                                      sampled)
+        # ``Speculator._room``: never past max_tokens or max_model_len, counted from the new last token
+        ends = to_device(torch.tensor([min(r.params.max_tokens + len(r.prompt_token_ids), e.max_model_len)
+                                       for r in requests], dtype=torch.int64), device)
+        room = (ends - (positions + accepted_now + 1) - 2).clamp_min(0)
+        outcome = _Outcome(sampled, accepted_now, verified, *self._next_drafts(drafts, confidence, room))
+        clock.lap("draft")
+        logprobs = SamplerOutput(None, *(_to_host(getattr(sampler_output, f.name)) for f in fields(SamplerOutput)[1:]))
+        return SpeculativeInFlight(requests, rows, positions, step["history"], outcome, _to_host(outcome.packed()),
+                                   logprobs, step["started"], clock.event())
+
+    def _history(self, inputs, previous, source, tokens) -> torch.Tensor | None:
+        """Engram's token history: each request's ``h`` ids before its first row, then its rows' ids; for a
+        following step, taken from the previous step's at the new first position, and written into its inputs."""
+        history = inputs.extras.get("engram_history")
+        if history is None:
+            return None
+        h, rows, count = history.shape[1], self.rows, tokens.shape[0]
+        per_row = history.view(-1, rows, h)[:count]
+        if previous is None:
+            return torch.cat([per_row[:, 0], tokens], dim=1)
+        before = previous.history[source]  # position p of the previous step sits at column h + p - its start
+        first = previous.outcome.accepted[source] + 1  # the new first position, as a column less h
+        ids = torch.cat([before.gather(1, first.unsqueeze(1) + torch.arange(h, device=tokens.device)), tokens], 1)
+        per_row.copy_(ids.unfold(1, h, 1)[:, :rows])
+        return ids
+
+    def _next_drafts(self, drafts: torch.Tensor, confidence: torch.Tensor | None, room: torch.Tensor):
+        """The drafts [B, rows - 1] (zero padded) and how many of them the next step verifies."""
+        s = self.speculator
+        floor = (survival_floor(len(drafts), s.max_drafts, s.max_num_batched_tokens) if s.confidence_scheduling
+                 else None)
+        lengths = torch.minimum(verified_lengths_on_device(drafts, confidence, s.max_drafts, floor), room)
+        width = self.rows - 1
+        drafts = drafts[:, :width]
+        if drafts.shape[1] < width:
+            drafts = torch.nn.functional.pad(drafts, (0, width - drafts.shape[1]))
+        return drafts.clone(), lengths  # the drafter's graph rewrites its outputs on its next replay
+
+    # -- the host's side --------------------------------------------------------------------------
+    def _resolve(self, inflight: SpeculativeInFlight) -> list[Request]:
+        """Books ``inflight``'s result as the engine's synchronous verification would: stats, tokens and stops,
+        progress, and each request's drafts for its next step."""
+        e = self.engine
+        packed, logprobs = inflight.wait(e._clock)
+        rows = [_Outcome.unpack(row, inflight.rows) for row in packed]
+        sampled = {f.name: None if (t := getattr(logprobs, f.name)) is None else t.tolist()
+                   for f in fields(SamplerOutput)}
+        sampled["token_ids"] = [token for row in rows for token in row[0]]
+        now, finished, computed = time.monotonic(), [], []
+        for i, (request, (_, drafts, accepted, verified, length)) in enumerate(zip(inflight.requests, rows)):
+            if request.finished:  # found finished by the step before, while this one was in flight
+                continue
+            if verified:
+                self.speculator.stats.record(request, verified, accepted)
+            start = request.num_computed
+            request.drop_drafts()
+            first = i * inflight.rows
+            if e.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
+                finished.append(request)
+                continue
+            computed.append((request, start, accepted + 1))
+            request.set_drafts(drafts[:length])
+        e.scheduler.step_done(computed)
+        e._finish(finished)
+        e._clock.lap("outputs")
+        return finished
