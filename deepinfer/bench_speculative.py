@@ -5,7 +5,9 @@ the built-in Python snippets, or one prompt per line of ``--prompts-file``, cycl
 batch size runs three times on the same prompts, greedy, after a warm-up of each: without drafts
 (``DEEPINFER_ENABLE_MTP_VARLEN`` unset), then with the installed drafter (e.g. features/mtp's DSpark) verifying
 every draft (``=0``, fixed length) and with confidence-scheduled lengths (``=1``). Reports decode tokens/s of
-each, the speed-ups, vLLM's acceptance counters, and whether the runs generated the same tokens.
+each, the speed-ups, vLLM's acceptance counters, and whether the runs generated the same tokens. A fourth run,
+fixed length with ``DEEPINFER_ASYNC_SCHEDULING=0``, is the peer of speculative steps that overlap the host
+(``core/overlapped_speculation.py``): the same verification, each step waiting for the host.
 """
 
 from __future__ import annotations
@@ -28,26 +30,47 @@ PROMPTS = [
 ]
 
 
-MODES = {"without_drafts": None, "fixed_length": "0", "confidence_scheduled": "1"}
+# mode -> (DEEPINFER_ENABLE_MTP_VARLEN, DEEPINFER_ASYNC_SCHEDULING); the last is the peer of overlapped speculative
+# steps: the same fixed-length verification, each step waiting for the host
+MODES = {"without_drafts": (None, "1"), "fixed_length": ("0", "1"), "confidence_scheduled": ("1", "1"),
+         "fixed_length_synchronous": ("0", "0")}
 
 
-def _run(args, batch: int, prompts: list[str], varlen: str | None) -> dict:
-    from deepinfer import SamplingParams, envs
+def _run(args, batch: int, prompts: list[str], varlen: str | None, asynchronous: str) -> dict:
+    from deepinfer import envs
 
     speculative = varlen is not None
     if speculative:
         os.environ["DEEPINFER_ENABLE_MTP_VARLEN"] = varlen
     else:
         os.environ.pop("DEEPINFER_ENABLE_MTP_VARLEN", None)
+    before_async = os.environ.get("DEEPINFER_ASYNC_SCHEDULING")
+    os.environ["DEEPINFER_ASYNC_SCHEDULING"] = asynchronous
     envs.reload()
+    try:
+        return _timed(args, batch, prompts, speculative)
+    finally:
+        if before_async is None:
+            os.environ.pop("DEEPINFER_ASYNC_SCHEDULING")
+        else:
+            os.environ["DEEPINFER_ASYNC_SCHEDULING"] = before_async
+        envs.reload()
+
+
+def _timed(args, batch: int, prompts: list[str], speculative: bool) -> dict:
+    from deepinfer import SamplingParams
+
     llm = build_llm(args, max_num_seqs=max(batch, 1))
     if speculative and llm.engine.speculator is None:
-        raise SystemExit(f"no drafter serves this model with DEEPINFER_ENABLE_MTP_VARLEN={varlen} (is features/mtp "
-                         "installed?)")
+        raise SystemExit(f"no drafter serves this model with DEEPINFER_ENABLE_MTP_VARLEN="
+                         f"{os.environ['DEEPINFER_ENABLE_MTP_VARLEN']} (is features/mtp installed?)")
+    overlap = llm.engine.overlap
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    # warm-up as long as the timed run: kernels are tuned per shape, and shapes follow the context as it grows
+    llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.speculator.stats if speculative else None
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) if stats else None
+    overlapped_before = overlap.launches["following"] if overlap is not None else 0
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     _synchronize()
     start = time.perf_counter()
@@ -62,7 +85,9 @@ def _run(args, batch: int, prompts: list[str], varlen: str | None) -> dict:
     metrics = llm.engine.step_metrics
     result = {"decode_tokens_per_second": batch * (args.output_len - 1) / max(elapsed - prefill, 1e-9),
               "steps": metrics.steps, "per_step_ms": {k: round(v, 3) for k, v in metrics.per_step_ms().items()},
-              "token_ids": [o.outputs[0].token_ids for o in outputs]}
+              "token_ids": [o.outputs[0].token_ids for o in outputs],
+              # verification steps launched before the host had the previous one's result
+              "overlapped_steps": (overlap.launches["following"] - overlapped_before) if overlap is not None else 0}
     if stats is not None:
         drafts, draft_tokens, accepted = (now - then for now, then in zip(
             (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
@@ -88,7 +113,7 @@ def run(args, vocab: int) -> dict:
     results = {}
     for batch in args.batch_sizes:
         prompts = [texts[i % len(texts)] for i in range(batch)]
-        runs = {name: _run(args, batch, prompts, varlen) for name, varlen in MODES.items()}
+        runs = {name: _run(args, batch, prompts, *mode) for name, mode in MODES.items()}
         tokens = [run.pop("token_ids") for run in runs.values()]
         plain = runs["without_drafts"]["decode_tokens_per_second"]
         results[f"batch_{batch}"] = {

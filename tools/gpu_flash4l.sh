@@ -13,7 +13,8 @@
 # tools/gpu_kernels.py --grouped; GROUPED_TESTS, GROUPED_FORMATS narrow them), v41prefill (the V4.1-Flash-shaped fixture's
 # prefill at V41_PREFILL_LENS tokens, 8192 and 512), prefill (tools/profile_prefill.py on flash4L at PREFILL_LENS
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
-# spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts), replay (SWA bounded
+# spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
+# SPEC_BATCHES, SPEC_TIMEOUT), replay (SWA bounded
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
@@ -230,9 +231,9 @@ if has invariant; then  # issue 10: batch-invariant mode on flash4L: one output 
 fi
 if has spec; then  # issue 8: DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
     stamp "speculative"
-    timeout 400 "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes 1 32 \
+    timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes ${SPEC_BATCHES:-1 32} \
         --output-len 128 --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
-    python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in ('without_drafts', 'fixed_length', 'confidence_scheduled')]" "$out/speculative.json"
+    python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in ('without_drafts', 'fixed_length', 'confidence_scheduled', 'fixed_length_synchronous')]; [print(b, 'same tokens', v['same_tokens']) for b, v in r.items() if b.startswith('batch')]" "$out/speculative.json"
 fi
 if has replay; then  # issue 9: SWA bounded replay, prefill off vs compact (V4.1-shaped fixture, embedded model)
     stamp "replay"
