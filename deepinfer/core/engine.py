@@ -136,8 +136,11 @@ class LLMEngine:
             logger.info("speculative steps wait for the host (asynchronous scheduling pauses): drafter %s drafts "
                         "only from the host's tokens (it has no propose_on_device)", drafter.name)
             return None
-        logger.info("speculative steps overlap the host where verification steps replay CUDA graphs (steady "
-                    "decoding; core/overlapped_speculation.py)")
+        if self.graphs is None:  # a step corrected on the device is a padded one: only replayed steps are
+            logger.info("speculative steps wait for the host: they overlap it only where verification steps replay "
+                        "CUDA graphs, not here")
+        else:
+            logger.info("speculative steps overlap the host in steady decoding (core/overlapped_speculation.py)")
         return OverlappedSpeculation(self)
 
     def _collect_step_contexts(self) -> list:
