@@ -19,7 +19,7 @@ from deepinfer.core.grammar_masks import apply_grammar_masks
 from deepinfer.core.inflight import InFlight
 from deepinfer.core.kv_cache import KVCache, bytes_per_block
 from deepinfer.core.model_source import resolve_model_dir
-from deepinfer.core.output_processor import OutputProcessor
+from deepinfer.core.output_processor import OutputProcessor, host_lists
 from deepinfer.core.overlapped_speculation import OverlappedSpeculation
 from deepinfer.core.request import Request
 from deepinfer.core.sampling_batch import build_sampling_batch
@@ -37,11 +37,6 @@ from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
 
 logger = init_logger(__name__)
-
-
-def _host_lists(sampled) -> dict[str, list | None]:
-    return {name: None if (t := getattr(sampled, name)) is None else t.tolist()
-            for name in type(sampled).__dataclass_fields__}
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -363,7 +358,7 @@ class LLMEngine:
             rows = self.speculator.rows(sampling_requests)
             apply_grammar_masks(logits, rows)
             sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
-            sampled = _host_lists(self.sampler.sample(logits, sampling))
+            sampled = host_lists(self.sampler.sample(logits, sampling))
             self._clock.lap("sample")
             now, first = time.monotonic(), 0
             for request in sampling_requests:

@@ -16,17 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.core.request import Request
-from deepinfer.core.transfer import to_device
+from deepinfer.core.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
 
 PLACEHOLDER = -1
-
-
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None or t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -47,7 +40,7 @@ class InFlight:
                 continue
             positions.append(len(request.token_ids))
             request.token_ids.append(PLACEHOLDER)
-        host = SamplerOutput(*(_to_host(getattr(sampled, name)) for name in SamplerOutput.__dataclass_fields__))
+        host = SamplerOutput(*(to_host(getattr(sampled, name)) for name in SamplerOutput.__dataclass_fields__))
         return cls(requests, positions, sampled.token_ids, host, started, clock.event())
 
     def fill(self, scheduled, token_ids: torch.Tensor) -> None:

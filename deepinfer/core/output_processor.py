@@ -10,6 +10,12 @@ from deepinfer.outputs import Logprob
 from deepinfer.plugins.interfaces import SamplerOutput
 
 
+def host_lists(sampled: SamplerOutput) -> dict[str, list | None]:
+    """The sampler's outputs (in host memory) as lists, by field name: what ``OutputProcessor.extend`` reads."""
+    return {name: None if (t := getattr(sampled, name)) is None else t.tolist()
+            for name in SamplerOutput.__dataclass_fields__}
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids, max_model_len: int):
         self.tokenizer = tokenizer

@@ -27,11 +27,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from deepinfer.core.inflight import _to_host
+from deepinfer.core.output_processor import host_lists
 from deepinfer.core.request import Request
 from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.speculation import accepted_on_device, survival_floor, verified_lengths_on_device
-from deepinfer.core.transfer import to_device
+from deepinfer.core.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
 
 
@@ -58,7 +58,6 @@ class _Outcome:
 @dataclass(slots=True)
 class SpeculativeInFlight:
     requests: list[Request]
-    rows: int  # per request
     positions: torch.Tensor  # [B] on the device: each request's first position in the step
     history: torch.Tensor | None  # [B, h + rows] token ids from ``h`` positions before the first row (Engram)
     outcome: _Outcome  # on the device
@@ -186,8 +185,8 @@ class OverlappedSpeculation:
         room = (ends - (positions + accepted_now + 1) - 2).clamp_min(0)
         outcome = _Outcome(sampled, accepted_now, verified, *self._next_drafts(drafts, confidence, room))
         clock.lap("draft")
-        logprobs = SamplerOutput(None, *(_to_host(getattr(sampler_output, f.name)) for f in fields(SamplerOutput)[1:]))
-        return SpeculativeInFlight(requests, rows, positions, step["history"], outcome, _to_host(outcome.packed()),
+        logprobs = SamplerOutput(None, *(to_host(getattr(sampler_output, f.name)) for f in fields(SamplerOutput)[1:]))
+        return SpeculativeInFlight(requests, positions, step["history"], outcome, to_host(outcome.packed()),
                                    logprobs, step["started"], clock.event())
 
     def _history(self, inputs, previous, source, tokens) -> torch.Tensor | None:
@@ -224,9 +223,8 @@ class OverlappedSpeculation:
         progress, and each request's drafts for its next step."""
         e = self.engine
         packed, logprobs = inflight.wait(e._clock)
-        rows = [_Outcome.unpack(row, inflight.rows) for row in packed]
-        sampled = {f.name: None if (t := getattr(logprobs, f.name)) is None else t.tolist()
-                   for f in fields(SamplerOutput)}
+        rows = [_Outcome.unpack(row, self.rows) for row in packed]
+        sampled = host_lists(logprobs)
         sampled["token_ids"] = [token for row in rows for token in row[0]]
         now, finished, computed = time.monotonic(), [], []
         for i, (request, (_, drafts, accepted, verified, length)) in enumerate(zip(inflight.requests, rows)):
@@ -236,7 +234,7 @@ class OverlappedSpeculation:
                 self.speculator.stats.record(request, verified, accepted)
             start = request.num_computed
             request.drop_drafts()
-            first = i * inflight.rows
+            first = i * self.rows
             if e.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
                 finished.append(request)
                 continue

@@ -1,4 +1,4 @@
-"""Host-to-device copies that never make the host wait for the device.
+"""Copies between host and device that never make the host wait for the device.
 
 A copy from pageable host memory is staged by the driver, which may first synchronize with the stream: with
 asynchronous scheduling that stalls the host until the previous step has finished, and the overlap is gone. So
@@ -16,4 +16,13 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if torch.device(device).type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The other way, also without waiting: a pinned copy, complete once the stream has reached it (an event
+    recorded after it says when)."""
+    if t is None or t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
