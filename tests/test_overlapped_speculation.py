@@ -24,18 +24,33 @@ from test_speculative_decoding import GREEDY, PROMPTS, DrafterPlugin, OracleDraf
 
 
 class DeviceOracleDrafter(OracleDrafter):
-    """The oracle, answering on the device too (it reads the positions back: a test may wait for the device)."""
+    """The oracle, answering on the device too, from a table of each request's reference continuation kept on the
+    device (so a CUDA graph can hold its pass)."""
 
-    def propose_on_device(self, requests, positions, rows, kept, sampled):
-        drafts = []
-        for request, last in zip(requests, (positions + kept).tolist()):
-            done = last - len(request.prompt_token_ids) + 1  # output tokens up to the new last one
-            tokens = list(self.reference[tuple(request.prompt_token_ids)][done:done + self.length])
-            if self.wrong_at is not None and self.wrong_at < len(tokens):
-                tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % 64
-            drafts.append(tokens + [0] * (self.length - len(tokens)))
-        confidence = None if self.confidence is None else torch.tensor([self.confidence(r) for r in requests])
-        return torch.tensor(drafts, dtype=torch.int64, device=positions.device), confidence
+    def __init__(self, reference, wrong_at=None, length=5, slots=32, longest=128):
+        super().__init__(reference, wrong_at, length=length)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # where the engine runs
+        self.table = torch.zeros(slots, longest + length, dtype=torch.int64, device=device)
+        self.prompt_lengths = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.slot_of: dict[int, int] = {}
+
+    def device_slots(self, requests):
+        for r in requests:
+            if id(r) not in self.slot_of:
+                slot = self.slot_of[id(r)] = len(self.slot_of)
+                continuation = self.reference[tuple(r.prompt_token_ids)]
+                self.table[slot, :len(continuation)] = torch.tensor(continuation)
+                self.prompt_lengths[slot] = len(r.prompt_token_ids)
+        return [self.slot_of[id(r)] for r in requests]
+
+    def propose_on_device(self, slots, positions, rows, kept, sampled):
+        slots = slots.clamp_min(0)  # padding requests read slot 0: their drafts are ignored
+        done = positions + kept - self.prompt_lengths[slots] + 1  # output tokens up to the new last one
+        columns = (done.unsqueeze(1) + torch.arange(self.length, device=done.device)).clamp(0, self.table.shape[1] - 1)
+        drafts = self.table[slots].gather(1, columns)
+        if self.wrong_at is not None:
+            drafts[:, self.wrong_at] = (drafts[:, self.wrong_at] + 1) % 64
+        return drafts, None
 
 
 def _overlapped(checkpoint, prompts, params, drafter, max_num_seqs=8, **engine_args):
@@ -194,10 +209,12 @@ def test_mtp_drafts_on_the_device_as_on_the_host(tmp_path_factory, monkeypatch):
             proposed.update({(r.prompt_token_ids[0], len(r.token_ids)): d.token_ids for r, d in zip(requests, drafts)})
             return drafts
 
-        def on_device(requests, positions, rows, kept, sampled, device=device, proposed=proposed):
-            tokens, confidence = device(requests, positions, rows, kept, sampled)
+        def on_device(slots, positions, rows, kept, sampled, device=device, proposed=proposed, drafter=drafter):
+            tokens, confidence = device(slots, positions, rows, kept, sampled)
+            requests = {slot: r for r, slot in drafter.pool._slots.values()}
             ends = (positions + kept + 1).tolist()
-            proposed.update({(r.prompt_token_ids[0], end): t for r, end, t in zip(requests, ends, tokens.tolist())})
+            proposed.update({(requests[slot].prompt_token_ids[0], end): t for slot, end, t in
+                             zip(slots.tolist(), ends, tokens.tolist()) if slot >= 0})
             return tokens, confidence
 
         drafter.propose, drafter.propose_on_device = on_host, on_device

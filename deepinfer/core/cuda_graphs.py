@@ -8,12 +8,15 @@ that run tunes the Triton kernels outside the capture and writes exactly the cac
 All graphs share one memory pool, which is safe because they never run concurrently and each keeps its own static
 inputs and outputs. The graph stops before the vocabulary projection (the final collapse and norm are in it, a
 dozen small kernels): the projection runs eagerly on the real rows only, so no graph holds a [batch, vocab] logits
-buffer (hundreds of MB each for the larger buckets) and padded rows cost no head GEMM.
+buffer (hundreds of MB each for the larger buckets) and padded rows cost no head GEMM. A step with a tail
+(``StepTail``: overlapped speculative decoding's sampling, acceptance and drafting) is the exception: its graph
+projects every row and runs the tail, so the host launches the whole step with one replay.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +36,9 @@ MIN_CONTEXT = 256
 class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: StepInputs  # static, on the device
-    hidden: torch.Tensor  # the final hidden rows the vocabulary projection reads, [padded batch, hidden]
-    features: torch.Tensor | None  # the model's per-token features (a drafter's input), when it keeps any
+    # what the replay leaves: (final hidden rows [padded batch, hidden], the model's per-token features or None),
+    # or a ``StepTail``'s outputs
+    outputs: tuple
     # ``inputs`` are views into one device buffer, ``staging`` into one pinned host buffer of the same layout: a
     # step fills the staging views and moves them with one copy. The event follows that copy: a step overwrites
     # the staging buffer only once the previous step's copy has run (usually long done: it preceded the step now
@@ -49,6 +53,19 @@ class _Captured:
         self.staging.copy_(inputs)
         self.inputs_buffer.copy_(self.staging_buffer, non_blocking=True)
         self.staged.record()
+
+
+@dataclass(slots=True)
+class StepTail:
+    """Device work captured with a padded step, after its forward pass: ``run(logits [padded rows, vocab], inputs)
+    -> tensors``. ``run`` reads its own per-step values from ``inputs.tail`` (static in the graph), which the
+    step's one staging copy carries from ``inputs`` (host tensors, one column per padded request). Steps whose
+    tails share a ``key`` (and the forward's shape) replay one graph: the key holds every host value ``run``
+    branches on."""
+
+    run: Callable[[torch.Tensor, StepInputs], tuple[torch.Tensor, ...]]
+    inputs: dict[str, torch.Tensor]
+    key: Hashable
 
 
 def capture_graph(run, pool, what: str) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -102,55 +119,72 @@ class DecodeGraphs:
         return PaddedShape(size * q, blocks, {r: -(-context // r) for r in self.ratios},
                            self.cache.scratch_rows, q)
 
-    def logits(self, scheduled, before_launch=lambda inputs: None, every_row: bool = False,
-               values_on_device: bool = False) -> torch.Tensor:
+    def logits(self, scheduled, before_launch=lambda inputs: None) -> torch.Tensor:
         """Next-token logits of the scheduled tokens, in step order. ``before_launch`` gets the step's inputs
         (``StepInputs``) where the forward pass will read them, before it runs (asynchronous scheduling completes
-        them there). ``every_row``: all ``tokens_per_request`` rows of each scheduled request, padding included
-        ([requests * tokens_per_request]); ``values_on_device``: see ``ForwardBatchBuilder.inputs``."""
+        them there)."""
+        hidden, features = self._replay(scheduled, before_launch, False, None)
+        return self._real_rows(scheduled, hidden, features)
+
+    def with_tail(self, scheduled, tail: StepTail, before_launch, values_on_device: bool) -> tuple[torch.Tensor, ...]:
+        """The step's forward pass, the vocabulary projection of every row (padding included) and ``tail``, as
+        one graph: returns ``tail.run``'s outputs, the graph's own tensors (its next replay rewrites them).
+        ``values_on_device``: see ``ForwardBatchBuilder.inputs``."""
+        return self._replay(scheduled, before_launch, values_on_device, tail)
+
+    def padded_requests(self, requests: int) -> int:
+        """The batch size of the graph that runs ``requests`` requests."""
+        return next(s for s in self.sizes if s >= requests)
+
+    def _replay(self, scheduled, before_launch, values_on_device: bool, tail: StepTail | None):
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape, values_on_device)
-        rows = slice(0, len(scheduled) * self.tokens_per_request) if every_row else None
+        if tail is not None:
+            inputs.tail = tail.inputs
+        run = self._forward if tail is None else lambda step: tail.run(self._all_logits(step), step)
         if not self.capture:
             inputs = inputs.to(self.builder.device)
             before_launch(inputs)
-            hidden = self._forward(inputs)
-            return self._real_rows(scheduled, hidden, getattr(self.model, "features", None), rows)
-        key = (shape.num_tokens, shape.blocks)
+            return run(inputs)
+        key = (shape.num_tokens, shape.blocks, None if tail is None else tail.key)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = self._capture(inputs, before_launch)
+            captured = self.graphs[key] = self._capture(inputs, before_launch, run)
         else:
             captured.stage(inputs)
             before_launch(captured.inputs)
         captured.graph.replay()
-        return self._real_rows(scheduled, captured.hidden, captured.features, rows)
+        return captured.outputs
 
-    def _real_rows(self, scheduled, hidden: torch.Tensor, features: torch.Tensor | None, rows=None) -> torch.Tensor:
-        """The real rows' logits (or ``rows``'), in step order; their features (a drafter's input) go where the
-        drafter reads them. One token per request: a slice, no index to copy in the decode step."""
-        if rows is None:
-            rows = (slice(0, len(scheduled)) if self.tokens_per_request == 1 else
-                    to_device(real_rows(scheduled, self.tokens_per_request), hidden.device))
+    def _real_rows(self, scheduled, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The real rows' logits, in step order; their features (a drafter's input) go where the drafter reads
+        them. One token per request: a slice, no index to copy in the decode step."""
+        rows = (slice(0, len(scheduled)) if self.tokens_per_request == 1 else
+                to_device(real_rows(scheduled, self.tokens_per_request), hidden.device))
         if features is not None:
             self.model.features = features[rows]
         return self.model.project_vocab(hidden[rows])
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's final hidden state, and the model's per-token features when it keeps any."""
         batch = self.builder.derive(inputs)
-        return self.model.final_hidden(self.model(batch, self.cache)[batch.logits_rows])
+        hidden = self.model.final_hidden(self.model(batch, self.cache)[batch.logits_rows])
+        return hidden, getattr(self.model, "features", None)
 
-    def _capture(self, host_inputs: StepInputs, before_launch) -> _Captured:
+    def _all_logits(self, inputs: StepInputs) -> torch.Tensor:
+        hidden, self.model.features = self._forward(inputs)
+        return self.model.project_vocab(hidden)
+
+    def _capture(self, host_inputs: StepInputs, before_launch, run) -> _Captured:
         start = time.perf_counter()
         staging_buffer, staging = host_inputs.packed_like("cpu", pin_memory=True)
         inputs_buffer, inputs = host_inputs.packed_like(self.builder.device)
-        captured = _Captured(None, inputs, None, None, inputs_buffer, staging, staging_buffer, torch.cuda.Event())
+        captured = _Captured(None, inputs, None, inputs_buffer, staging, staging_buffer, torch.cuda.Event())
         captured.stage(host_inputs)
         before_launch(inputs)
-        graph, hidden = capture_graph(lambda: self._forward(inputs), self.pool,
-                                      f"the decode CUDA graph (batch {inputs.token_ids.shape[0]})")
-        logger.info("captured a decode CUDA graph: batch %d, candidates %s, in %.2f s", inputs.token_ids.shape[0],
-                    inputs.candidates, time.perf_counter() - start)
-        captured.graph, captured.hidden = graph, hidden
-        captured.features = getattr(self.model, "features", None)  # the graph's own output tensor, if any
+        captured.graph, captured.outputs = capture_graph(
+            lambda: run(inputs), self.pool, f"the decode CUDA graph (batch {inputs.token_ids.shape[0]})")
+        logger.info("captured a decode CUDA graph: batch %d, candidates %s%s, in %.2f s", inputs.token_ids.shape[0],
+                    inputs.candidates, " with its step's tail" if host_inputs.tail else "",
+                    time.perf_counter() - start)
         return captured

@@ -127,9 +127,13 @@ class LLMEngine:
         if self.speculator is None or not asynchronous:
             return None
         drafter = self.speculator.drafter
-        if not hasattr(drafter, "propose_on_device"):
+        if not (hasattr(drafter, "propose_on_device") and hasattr(drafter, "device_slots")):
             logger.info("speculative steps wait for the host (asynchronous scheduling pauses): drafter %s drafts "
-                        "only from the host's tokens (it has no propose_on_device)", drafter.name)
+                        "only from the host's tokens (it has no propose_on_device and device_slots)", drafter.name)
+            return None
+        if not getattr(self.sampler, "graph_safe", False):
+            logger.info("speculative steps wait for the host (asynchronous scheduling pauses): sampler %s cannot "
+                        "be captured in a CUDA graph (graph_safe)", self.sampler.name)
             return None
         if self.graphs is None:  # a step corrected on the device is a padded one: only replayed steps are
             logger.info("speculative steps wait for the host: they overlap it only where verification steps replay "

@@ -104,6 +104,8 @@ class StepInputs:
     # decoder window may see (its request's replay start); None: every row, nothing hidden
     replay_rows: torch.Tensor | None = None
     replay_floor: torch.Tensor | None = None
+    # what work captured after the forward pass reads (``cuda_graphs.StepTail``), per padded request
+    tail: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def _tensors(self):
         for f in fields(self):
@@ -118,7 +120,7 @@ class StepInputs:
 
     def map(self, fn) -> "StepInputs":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        moved.update({name: dict(moved[name]) for name in ("tables", "close_tokens", "extras")})
+        moved.update({name: dict(moved[name]) for name in ("tables", "close_tokens", "extras", "tail")})
         for name, key, t in self._tensors():
             t = fn(t)
             if key is None:

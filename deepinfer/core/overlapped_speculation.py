@@ -11,6 +11,13 @@ previous step's rows. The sampler's output positions (``seq_seed`` noise) get th
 step reads is derived from those positions on the device (``ForwardBatchBuilder.derive``), so a step that follows
 a step with rejected drafts computes the same rows as if the host had waited.
 
+Where the engine replays CUDA graphs, the step's tail (the vocabulary projection of every row, sampling,
+acceptance, the drafter's store and pass, the next step's lengths: ``_tail``) is captured in the same graph as its
+forward pass (``DecodeGraphs.with_tail``): a step costs the host a handful of small corrections and one replay,
+instead of the hundred-odd launches of those pieces, which on a small model took longer than the device's step.
+The tail reads its per-request values (sampling parameters, the drafter's slots, ends) from the step's staged
+inputs, so one graph serves every batch with the same sampling flags.
+
 A following step is launched only in the steady state, where nothing about it depends on the unknown count: the
 same requests as the step before (none added), each with room for a full step whatever was accepted, every step
 padded to ``1 + max_drafts`` rows per request (the CUDA graphs' shape), none needing its tokens on the host
@@ -23,35 +30,57 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from deepinfer.core.cuda_graphs import StepTail
 from deepinfer.core.output_processor import host_lists
 from deepinfer.core.request import Request
-from deepinfer.core.sampling_batch import build_sampling_batch
+from deepinfer.core.sampling_batch import SamplingFlags, device_sampling_batch, sample_seed
 from deepinfer.core.speculation import accepted_on_device, survival_floor, verified_lengths_on_device
 from deepinfer.core.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
 
 
-@dataclass(slots=True)
+_VERIFIED = 3  # the row of the tail's integer inputs (``_tail_inputs``) with each request's drafts verified
+
+
 class _Outcome:
-    """What a verification step leaves on the device, per request ([B, ...])."""
+    """What a verification step leaves on the device, per request, side by side in one tensor [B, 2 * rows + 2]
+    (one copy to the host): the token sampled at each row, the next step's drafts (zero padded), the drafts
+    accepted, the drafts that counted (the rest of the rows were padding), how many of the next drafts the next
+    step verifies."""
 
-    sampled: torch.Tensor  # [B, rows] the token sampled at each row
-    accepted: torch.Tensor  # [B] drafts accepted
-    verified: torch.Tensor  # [B] drafts that counted (the rest of the rows were padding)
-    drafts: torch.Tensor  # [B, rows - 1] the next step's drafts, zero padded
-    lengths: torch.Tensor  # [B] how many of them the next step verifies
+    __slots__ = ("packed", "rows")
 
-    def packed(self) -> torch.Tensor:
-        """[B, 2 * rows + 2]: every field side by side, for one copy to the host (``unpack`` reads it there)."""
-        return torch.cat([self.sampled, self.drafts, torch.stack([self.accepted, self.verified, self.lengths], 1)], 1)
+    def __init__(self, packed: torch.Tensor, rows: int):
+        self.packed, self.rows = packed, rows
+
+    @staticmethod
+    def pack(sampled, drafts, accepted, verified, lengths) -> torch.Tensor:
+        return torch.cat([sampled, drafts, torch.stack([accepted, verified, lengths], 1)], 1)
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        return self.packed[:, :self.rows]
+
+    @property
+    def drafts(self) -> torch.Tensor:
+        return self.packed[:, self.rows:2 * self.rows - 1]
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self.packed[:, 2 * self.rows - 1]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.packed[:, 2 * self.rows + 1]
 
     @staticmethod
     def unpack(row: list[int], rows: int) -> tuple[list[int], list[int], int, int, int]:
-        """One request's row of ``packed``: sampled tokens, drafts, accepted, verified, lengths."""
+        """One request's row of ``packed`` on the host: sampled tokens, drafts, accepted, verified, lengths."""
         return row[:rows], row[rows:2 * rows - 1], *row[2 * rows - 1:]
 
 
@@ -60,8 +89,8 @@ class SpeculativeInFlight:
     requests: list[Request]
     positions: torch.Tensor  # [B] on the device: each request's first position in the step
     history: torch.Tensor | None  # [B, h + rows] token ids from ``h`` positions before the first row (Engram)
-    outcome: _Outcome  # on the device
-    host: torch.Tensor  # ``outcome.packed()`` in host memory, complete once ``ready`` is
+    outcome: _Outcome  # on the device (a CUDA graph's output: read before the graph's next replay rewrites it)
+    host: torch.Tensor  # ``outcome.packed`` in host memory, complete once ``ready`` is
     logprobs: SamplerOutput  # host copies of the sampler's logprob outputs per row (None where none was asked)
     started: torch.cuda.Event | None
     ready: torch.cuda.Event | None
@@ -137,7 +166,7 @@ class OverlappedSpeculation:
     # -- the device's side ------------------------------------------------------------------------
     def _launch(self, scheduled, previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
         e, rows, clock = self.engine, self.rows, self.engine._clock
-        device = e.device
+        device, count = e.device, len(scheduled)
         requests = [r for r, _, _ in scheduled]
         e.step_metrics.steps += 1
         e.totals.steps += 1
@@ -147,47 +176,81 @@ class OverlappedSpeculation:
             source = to_device(torch.tensor([index[id(r)] for r in requests], dtype=torch.int64), device)
             accepted = previous.outcome.accepted[source]
             positions = previous.positions[source] + accepted + 1
-            verified = previous.outcome.lengths[source]
         else:
+            source = None
             positions = to_device(torch.tensor([start for _, start, _ in scheduled], dtype=torch.int64), device)
-            verified = to_device(torch.tensor([r.num_drafts for r in requests], dtype=torch.int64), device)
-        offsets = torch.arange(rows, device=device)
+        flags = SamplingFlags.of([r.params for r in requests], e.model_config.vocab_size)
+        tail = StepTail(lambda logits, inputs: self._tail(logits, inputs, flags),
+                        self._tail_inputs(requests, previous is None), ("verification", flags))
         step = {}
 
         def complete(inputs):  # the inputs are where the forward pass reads them: correct them, time from here
             clock.lap("prepare")
-            tokens = inputs.token_ids.view(-1, rows)[:len(requests)]
+            tokens = inputs.token_ids.view(-1, rows)[:count]
             if previous is not None:
-                inputs.positions.view(-1, rows)[:len(requests)] = positions.unsqueeze(1) + offsets
+                inputs.positions.view(-1, rows)[:count] = positions.unsqueeze(1) + torch.arange(rows, device=device)
                 outcome = previous.outcome
                 last = outcome.sampled[source].gather(1, accepted.unsqueeze(1))
                 tokens.copy_(torch.cat([last, outcome.drafts[source]], dim=1))
-            step["tokens"] = tokens.clone()  # the graph's input buffer is rewritten by the next step
-            step["history"] = self._history(inputs, previous, source if previous else None, step["tokens"])
+                inputs.tail["ints"][_VERIFIED, :count] = outcome.lengths[source]
+            step["history"] = self._history(inputs, previous, source, tokens)
             step["started"] = clock.event()
 
-        logits = e.graphs.logits(scheduled, before_launch=complete, every_row=True,
-                                 values_on_device=previous is not None)
+        packed, *logprobs = e.graphs.with_tail(scheduled, tail, complete, values_on_device=previous is not None)
+        outcome = _Outcome(packed[:count], rows)
+        logprobs = SamplerOutput(None, *(None if t is None else to_host(t[:count * rows]) for t in logprobs))
         clock.lap("forward")
-        sampling = build_sampling_batch([(r, j) for r in requests for j in range(rows)], e.model_config.vocab_size,
-                                        device)
-        if previous is not None:  # output positions, as the rows' positions: offset by what was accepted
-            sampling.positions += (accepted + 1).repeat_interleave(rows)
-        sampler_output = e.sampler.sample(logits, sampling)
-        sampled = sampler_output.token_ids.view(len(requests), rows)
-        accepted_now = accepted_on_device(step["tokens"][:, 1:], sampled, verified)
-        clock.lap("sample")
-        drafts, confidence = self.speculator.drafter.propose_on_device(requests, positions, rows, accepted_now + 1,
-                                                                      sampled)
-        # ``Speculator._room``: never past max_tokens or max_model_len, counted from the new last token
-        ends = to_device(torch.tensor([min(r.params.max_tokens + len(r.prompt_token_ids), e.max_model_len)
-                                       for r in requests], dtype=torch.int64), device)
-        room = (ends - (positions + accepted_now + 1) - 2).clamp_min(0)
-        outcome = _Outcome(sampled, accepted_now, verified, *self._next_drafts(drafts, confidence, room))
-        clock.lap("draft")
-        logprobs = SamplerOutput(None, *(to_host(getattr(sampler_output, f.name)) for f in fields(SamplerOutput)[1:]))
-        return SpeculativeInFlight(requests, positions, step["history"], outcome, to_host(outcome.packed()),
+        return SpeculativeInFlight(requests, positions, step["history"], outcome, to_host(outcome.packed),
                                    logprobs, step["started"], clock.event())
+
+    def _tail_inputs(self, requests: list[Request], first: bool) -> dict[str, torch.Tensor]:
+        """What the step's tail reads per request (``_tail``), padded to the graph's batch: sampling parameters,
+        the survival floor, prompt lengths (to number the output positions), the drafts verified (a following
+        step's come from the device), the drafter's slots and where each request must end."""
+        e, s = self.engine, self.speculator
+        params = [r.params for r in requests]
+        pad = e.graphs.padded_requests(len(requests)) - len(requests)
+        floor = (survival_floor(len(requests), s.max_drafts, s.max_num_batched_tokens) if s.confidence_scheduling
+                 else 0.0)
+        floats = [[p.temperature for p in params] + [0.0] * pad, [p.top_p for p in params] + [1.0] * pad,
+                  [p.min_p for p in params] + [0.0] * pad, [floor] * (len(requests) + pad)]
+        ends = [min(p.max_tokens + len(r.prompt_token_ids), e.max_model_len) for p, r in zip(params, requests)]
+        ints = [[max(p.top_k, 0) for p in params] + [0] * pad, [sample_seed(r) for r in requests] + [-1] * pad,
+                [len(r.prompt_token_ids) for r in requests] + [0] * pad,
+                [r.num_drafts if first else 0 for r in requests] + [0] * pad,
+                s.drafter.device_slots(requests) + [-1] * pad, ends + [0] * pad]
+        return {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
+                "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}
+
+    def _tail(self, logits: torch.Tensor, inputs, flags: SamplingFlags) -> tuple[torch.Tensor | None, ...]:
+        """After the forward pass, on the device for every (padded) request: sample every row, count the accepted
+        drafts, let the drafter store the kept rows and draft from the new last token, size the next step's
+        verification. Returns ``_Outcome.pack``'s tensor and the sampler's logprob outputs."""
+        rows, s = self.rows, self.speculator
+        temperature, top_p, min_p, floor = inputs.tail["floats"]
+        top_k, seeds, prompt_lengths, verified, slots, ends = inputs.tail["ints"]
+        tokens, positions = inputs.token_ids.view(-1, rows), inputs.positions.view(-1, rows)
+
+        def each_row(t):
+            return t.unsqueeze(1).expand(-1, rows).flatten()
+
+        # a row at position p samples output position p + 1 - the prompt's length
+        sampling = device_sampling_batch(each_row(temperature), each_row(top_k), each_row(top_p), each_row(min_p),
+                                         each_row(seeds), (positions + 1 - prompt_lengths.unsqueeze(1)).flatten(),
+                                         flags)
+        sampler_output = self.engine.sampler.sample(logits, sampling)
+        sampled = sampler_output.token_ids.view(-1, rows)
+        accepted = accepted_on_device(tokens[:, 1:], sampled, verified)
+        first, kept = positions[:, 0], accepted + 1
+        drafts, confidence = s.drafter.propose_on_device(slots, first, rows, kept, sampled)
+        # ``Speculator._room``: never past max_tokens or max_model_len, counted from the new last token
+        room = (ends - (first + kept) - 2).clamp_min(0)
+        lengths = torch.minimum(verified_lengths_on_device(drafts, confidence, s.max_drafts,
+                                                           floor if s.confidence_scheduling else None), room)
+        width = rows - 1
+        drafts = torch.nn.functional.pad(drafts[:, :width], (0, max(0, width - drafts.shape[1])))
+        return (_Outcome.pack(sampled, drafts, accepted, verified, lengths), sampler_output.logprobs,
+                sampler_output.top_logprob_ids, sampler_output.top_logprobs)
 
     def _history(self, inputs, previous, source, tokens) -> torch.Tensor | None:
         """Engram's token history: each request's ``h`` ids before its first row, then its rows' ids; for a
@@ -204,18 +267,6 @@ class OverlappedSpeculation:
         ids = torch.cat([before.gather(1, first.unsqueeze(1) + torch.arange(h, device=tokens.device)), tokens], 1)
         per_row.copy_(ids.unfold(1, h, 1)[:, :rows])
         return ids
-
-    def _next_drafts(self, drafts: torch.Tensor, confidence: torch.Tensor | None, room: torch.Tensor):
-        """The drafts [B, rows - 1] (zero padded) and how many of them the next step verifies."""
-        s = self.speculator
-        floor = (survival_floor(len(drafts), s.max_drafts, s.max_num_batched_tokens) if s.confidence_scheduling
-                 else None)
-        lengths = torch.minimum(verified_lengths_on_device(drafts, confidence, s.max_drafts, floor), room)
-        width = self.rows - 1
-        drafts = drafts[:, :width]
-        if drafts.shape[1] < width:
-            drafts = torch.nn.functional.pad(drafts, (0, width - drafts.shape[1]))
-        return drafts.clone(), lengths  # the drafter's graph rewrites its outputs on its next replay
 
     # -- the host's side --------------------------------------------------------------------------
     def _resolve(self, inflight: SpeculativeInFlight) -> list[Request]:

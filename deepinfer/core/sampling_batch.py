@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -14,7 +16,28 @@ from deepinfer.plugins.interfaces import SamplingBatch
 GOLDEN = 0x9E3779B97F4A7C15
 
 
-def _sample_seed(request: Request) -> int:
+@dataclass(frozen=True, slots=True)
+class SamplingFlags:
+    """What the host knows of a batch's parameters and a sampler branches on (``SamplingBatch``'s flags): a
+    captured sampler's graph is only valid for batches with the same flags."""
+
+    num_logprobs: int
+    all_greedy: bool
+    any_top_k_top_p: bool
+    any_seeded: bool
+    any_logprobs: bool
+
+    @staticmethod
+    def of(params: list, vocab_size: int) -> "SamplingFlags":
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingFlags(num_logprobs=max((vocab_size if n == -1 else n for n in asked), default=0),
+                             all_greedy=all(p.temperature == 0 for p in params),
+                             any_top_k_top_p=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params),
+                             any_seeded=any(p.seq_seed is not None for p in params),
+                             any_logprobs=bool(asked))
+
+
+def sample_seed(request: Request) -> int:
     seed = request.params.seq_seed
     return -1 if seed is None else (seed + request.sample_index * GOLDEN) % 2**63
 
@@ -38,13 +61,12 @@ def build_sampling_batch(rows: list[tuple[Request, int]], vocab_size: int, devic
     # built through numpy: torch.tensor on nested Python numbers costs several times more
     floats = torch.from_numpy(np.array([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
                                          p.repetition_penalty] for p in params], dtype=np.float32).T.copy())
-    ints = torch.from_numpy(np.array([[max(p.top_k, 0), _sample_seed(r), i] for p, r, i in zip(params, requests, index)],
+    ints = torch.from_numpy(np.array([[max(p.top_k, 0), sample_seed(r), i] for p, r, i in zip(params, requests, index)],
                                      dtype=np.int64).T.copy())
     packed = to_device(torch.cat([ints.view(-1).view(torch.uint8), floats.view(-1).view(torch.uint8)]), device)
     split = ints.numel() * ints.element_size()  # the int64 rows first: the float32 rows after them stay aligned
     ints = packed[:split].view(torch.int64).view(ints.shape)
     floats = packed[split:].view(torch.float32).view(floats.shape)
-    asked = [p.logprobs for p in params if p.logprobs is not None]
     penalised = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
     return SamplingBatch(
         temperature=floats[0],
@@ -59,10 +81,21 @@ def build_sampling_batch(rows: list[tuple[Request, int]], vocab_size: int, devic
         prompt_token_ids=[r.prompt_token_ids for r in requests] if penalised else [],
         output_token_ids=[r.output_token_ids + r.draft_token_ids[:j] for r, j in rows] if penalised else [],
         blocked_token_ids=[_blocked(r, i) for r, i in zip(requests, index)],
-        num_logprobs=max((vocab_size if n == -1 else n for n in asked), default=0),
-        all_greedy=all(p.temperature == 0 for p in params),
         any_penalties=penalised,
-        any_top_k_top_p=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params),
-        any_seeded=any(p.seq_seed is not None for p in params),
-        any_logprobs=bool(asked),
+        **_flag_fields(SamplingFlags.of(params, vocab_size)),
     )
+
+
+def _flag_fields(flags: SamplingFlags) -> dict:
+    return {name: getattr(flags, name) for name in SamplingFlags.__slots__}
+
+
+def device_sampling_batch(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                          seeds: torch.Tensor, positions: torch.Tensor, flags: SamplingFlags) -> SamplingBatch:
+    """A batch built on the device, from values already there (one per row), with no penalties and no blocked
+    tokens: nothing in it comes from the host, so a graph can hold the sampler that reads it."""
+    none = torch.zeros_like(temperature)
+    return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=none,
+                         frequency_penalty=none, repetition_penalty=none + 1, seeds=seeds, positions=positions,
+                         prompt_token_ids=[], output_token_ids=[], blocked_token_ids=[],
+                         any_penalties=False, **_flag_fields(flags))

@@ -75,14 +75,16 @@ def accepted_on_device(drafts: torch.Tensor, sampled: torch.Tensor, limits: torc
 
 
 def verified_lengths_on_device(tokens: torch.Tensor, confidence: torch.Tensor | None, limit: int,
-                               floor: float | None) -> torch.Tensor:
+                               floor: float | torch.Tensor | None) -> torch.Tensor:
     """``verified_length`` per request, without the host: [B] for drafts ``tokens`` [B, D] and their
     ``confidence`` [B, D] (None: no estimates). Survival never grows along a draft, so the prefix kept is the
-    positions whose survival stays at or above ``floor``."""
+    positions whose survival stays at or above ``floor`` (a number, or one per request [B])."""
     length = min(limit, tokens.shape[1])
     if floor is None or confidence is None:
         return torch.full((tokens.shape[0],), length, dtype=torch.int64, device=tokens.device)
     survival = confidence[:, :length].float().cumprod(dim=1)
+    if isinstance(floor, torch.Tensor):
+        floor = floor.unsqueeze(1)
     return (survival >= floor).long().sum(dim=1)
 
 

@@ -284,6 +284,9 @@ class SamplerOutput:
 
 class Sampler(Protocol):
     name: str
+    # ``sample`` may be captured in a CUDA graph for batches without penalties or blocked tokens (the only ones
+    # the engine captures: overlapped speculative steps); without it, speculative steps wait for the host
+    graph_safe: bool
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Apply penalties, temperature, top-k/top-p/min-p, then draw one token per row."""
@@ -323,11 +326,15 @@ class Drafter(Protocol):
     # Optional: ``use_cuda_graphs(batch_sizes: list[int]) -> None``, called once when the engine replays decode
     # steps from CUDA graphs of these padded batch sizes, so a drafter may capture its own pass likewise.
     #
-    # Optional: ``propose_on_device(requests, positions, rows, kept, sampled) -> (tokens [B, D], confidence [B, D]
-    # or None)``, device tensors in and out, never waiting for the device: speculative steps then overlap the host
-    # (``core/overlapped_speculation.py``). The last step computed ``rows`` rows per request from ``positions``
-    # [B]; the first ``kept`` [B] of them stand; ``sampled`` [B, rows] is the token after each row, so
-    # ``sampled[i, kept[i] - 1]`` is request i's new last token, the one the drafts follow.
+    # Optional, together: ``device_slots(requests) -> list[int]`` and ``propose_on_device(slots, positions, rows,
+    # kept, sampled) -> (tokens [B, D], confidence [B, D] or None)``; speculative steps then overlap the host
+    # (``core/overlapped_speculation.py``). ``device_slots`` runs on the host: where each request's state lives
+    # on the device. ``propose_on_device`` is device work only, captured in the engine's step graph (no host
+    # reads, no tensors built from host values: it gets everything as arguments): the last step computed
+    # ``rows`` rows per request from ``positions`` [B]; the first ``kept`` [B] of them stand; ``sampled`` [B,
+    # rows] is the token after each row, so ``sampled[i, kept[i] - 1]`` is request i's new last token, the one
+    # the drafts follow. ``slots`` [B] are ``device_slots``' values, -1 for the graph's padding requests, whose
+    # outputs are ignored and whose writes must not touch any request's state.
 
 
 class PrefillTruncation(Protocol):

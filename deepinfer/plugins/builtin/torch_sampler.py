@@ -27,6 +27,7 @@ def deepinfer_sampler(config, device):
 class TorchSampler:
     name: str = "torch-reference"
     batch_invariant: bool = True
+    graph_safe: bool = True  # without penalties or blocked tokens, whose index tensors come from the host
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()

@@ -37,17 +37,14 @@ class DraftGraphs:
         return batch <= self.sizes[-1]
 
     def __call__(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``inputs`` on the host or (overlapped speculative decoding) already on the device. The outputs are the
-        graph's own tensors: the next replay rewrites them."""
+        """``inputs`` on the host. The outputs are the graph's own tensors: the next replay rewrites them."""
         size = next(s for s in self.sizes if s >= inputs.shape[1])
         captured = self.graphs.get(size)
         if captured is None:
             staging = torch.empty(3, size, dtype=torch.int64, pin_memory=True)
             captured = self.graphs[size] = self._capture(self._padded(staging, inputs))
-        elif inputs.device.type == "cpu":
-            captured.inputs.copy_(self._padded(captured.staging, inputs), non_blocking=True)
         else:
-            self._padded(captured.inputs, inputs)
+            captured.inputs.copy_(self._padded(captured.staging, inputs), non_blocking=True)
         captured.graph.replay()
         return tuple(t[:inputs.shape[1]] for t in captured.outputs)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core.transfer import to_device
 from deepinfer.plugins.interfaces import ComputedRows, Draft
 from deepinfer_mtp.context_pool import ContextPool
 from deepinfer_mtp.draft_graphs import DraftGraphs
@@ -40,24 +39,28 @@ class PooledDrafter:
             outputs = self._draft(inputs.to(self.device))
         return [Draft(*values) for values in zip(*(t.tolist() for t in outputs))]
 
-    def propose_on_device(self, requests: list, positions: torch.Tensor, rows: int, kept: torch.Tensor,
-                          sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``Drafter.propose_on_device``: the step's rows into the pool (the kept ones; the others go to the empty
-        slot, whose rows no request reads), then one draft pass from each request's new last token."""
+    def device_slots(self, requests: list) -> list[int]:
+        """``Drafter.device_slots``: each request's slot in the pool."""
         self.pool.release_finished()
+        return [self.pool.slot(r) for r in requests]
+
+    def propose_on_device(self, slots: torch.Tensor, positions: torch.Tensor, rows: int, kept: torch.Tensor,
+                          sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``Drafter.propose_on_device``: the step's rows into the pool (the kept ones; the others, and padding
+        requests', go to the empty slot, whose rows no request reads), then one draft pass from each request's new
+        last token. It runs inside the engine's step graph, or eagerly where the engine captures none: never from
+        the drafter's own graphs."""
         device = positions.device
-        slots = to_device(torch.tensor([self.pool.slot(r) for r in requests], dtype=torch.int64), device)
+        slots = torch.where(slots < 0, self.pool.empty, slots)
         offsets = torch.arange(rows, device=device)
         # a ring of ``length`` rows holds the last ``window`` positions: older kept rows would wrap onto newer ones
         keep = (offsets < kept.unsqueeze(1)) & (offsets >= kept.unsqueeze(1) - self.pool.window)
-        first_row = torch.arange(len(requests), device=device) * rows
+        first_row = torch.arange(len(slots), device=device) * rows
         self._write((first_row.unsqueeze(1) + offsets).flatten(), (positions.unsqueeze(1) + offsets).flatten(),
                     torch.where(keep, slots.unsqueeze(1), self.pool.empty).flatten(), sampled.flatten(),
                     slots, first_row + kept - 1)
         last = sampled.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
-        inputs = torch.stack([last, positions + kept + 1 - self.anchor_back, slots])
-        outputs = self.graphs(inputs) if self.graphs is not None and self.graphs.fits(len(requests)) \
-            else self._draft(inputs)
+        outputs = self._draft(torch.stack([last, positions + kept + 1 - self.anchor_back, slots]))
         return outputs[0], outputs[1] if len(outputs) > 1 else None
 
     def _store(self, computed: list[ComputedRows]) -> None:
