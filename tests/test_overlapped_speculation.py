@@ -32,16 +32,19 @@ class DeviceOracleDrafter(OracleDrafter):
         device = "cuda" if torch.cuda.is_available() else "cpu"  # where the engine runs
         self.table = torch.zeros(slots, longest + length, dtype=torch.int64, device=device)
         self.prompt_lengths = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.slot_of: dict[int, int] = {}
+        self.slot_of: dict[int, tuple[object, int]] = {}  # id(request) -> (request, slot): ids are reused
+        self.assigned = 0
 
     def device_slots(self, requests):
         for r in requests:
-            if id(r) not in self.slot_of:
-                slot = self.slot_of[id(r)] = len(self.slot_of)
+            entry = self.slot_of.get(id(r))
+            if entry is None or entry[0] is not r:
+                slot, self.assigned = self.assigned, self.assigned + 1
+                self.slot_of[id(r)] = (r, slot)
                 continuation = self.reference[tuple(r.prompt_token_ids)]
                 self.table[slot, :len(continuation)] = torch.tensor(continuation)
                 self.prompt_lengths[slot] = len(r.prompt_token_ids)
-        return [self.slot_of[id(r)] for r in requests]
+        return [self.slot_of[id(r)][1] for r in requests]
 
     def propose_on_device(self, slots, positions, rows, kept, sampled):
         slots = slots.clamp_min(0)  # padding requests read slot 0: their drafts are ignored
@@ -162,17 +165,20 @@ def test_acceptance_and_lengths_on_the_device_match_the_host():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_overlapped_steps_replay_cuda_graphs_as_eager_steps_run(tiny_v4_checkpoint, greedy_v4):
-    """On a GPU with the NVIDIA plugin: verification steps captured, corrected on the device and replayed while the
-    host resolves the step before give the eager synchronous steps' tokens and counters."""
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seq_seed=5,
+                                                           ignore_eos=True, logprobs=2)], ids=["greedy", "seeded"])
+def test_overlapped_steps_replay_cuda_graphs_as_eager_steps_run(tiny_v4_checkpoint, greedy_v4, params):
+    """On a GPU with the NVIDIA plugin: verification steps captured with their tails (sampling, here also top-p and
+    seeded noise, acceptance, drafting), corrected on the device and replayed while the host resolves the step
+    before give the eager synchronous steps' tokens, logprobs and counters."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
     nvidia = pytest.importorskip("deepinfer_nvidia.plugin")
     drafter = DeviceOracleDrafter(_reference(greedy_v4), wrong_at=2)
     with registered(nvidia, "nvidia"), registered(DrafterPlugin(drafter), "oracle-drafts"):
         eager = LLM(str(tiny_v4_checkpoint), dtype="float32", enforce_eager=True)
-        expected = eager.generate(PROMPTS, GREEDY, use_tqdm=False)
+        expected = eager.generate(PROMPTS, params, use_tqdm=False)
         llm = LLM(str(tiny_v4_checkpoint), dtype="float32")
-        replayed = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        replayed = llm.generate(PROMPTS, params, use_tqdm=False)
     engine = llm.engine
     assert engine.graphs is not None and engine.graphs.graphs and engine.overlap.launches["following"] > 0
     _assert_same(replayed, expected)

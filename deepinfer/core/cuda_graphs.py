@@ -10,7 +10,8 @@ inputs and outputs. The graph stops before the vocabulary projection (the final 
 dozen small kernels): the projection runs eagerly on the real rows only, so no graph holds a [batch, vocab] logits
 buffer (hundreds of MB each for the larger buckets) and padded rows cost no head GEMM. A step with a tail
 (``StepTail``: overlapped speculative decoding's sampling, acceptance and drafting) is the exception: its graph
-projects every row and runs the tail, so the host launches the whole step with one replay.
+projects every row and runs the tail, so the host launches the whole step with one replay (the logits and the
+sampler's [rows, vocab] intermediates then live in the shared pool, sized by the largest such graph).
 """
 
 from __future__ import annotations
