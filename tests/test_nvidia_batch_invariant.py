@@ -51,7 +51,7 @@ def test_attention_with_a_fixed_split_size_ignores_the_batch(dtype):
                                                   sinks, 0.05)
     torch.testing.assert_close(alone.float(), reference, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
                                atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
-    for tokens in (2, 17, 64):
+    for tokens in (2, 17, 64) if CUDA else (2, 5, 17):  # the interpreter's time grows with the tokens
         for extra in (0, 37, 300):  # a wider batch pads every index list
             sources = [(pool, windows[:tokens]), (pool, F.pad(entries[:tokens], (0, extra), value=-1))]
             _poison()

@@ -21,7 +21,7 @@ BUDGETS = (16, 24, 64, 2048)  # max_num_batched_tokens: the first three chunk th
 
 def _mate_params(rng: random.Random) -> SamplingParams:
     kind = rng.choice(["greedy", "sampled", "seeded"])
-    max_tokens = rng.randint(1, 16)
+    max_tokens = rng.randint(1, 12)  # up to the target's: mates finish before, with or after it
     if kind == "greedy":
         return SamplingParams(temperature=0, max_tokens=max_tokens)
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, seq_seed=rng.randint(0, 99) if kind == "seeded" else None)
@@ -43,7 +43,8 @@ def outputs_among_random_batches(make_llm: Callable[..., LLM], runs: int, seed: 
     plans = []
     for _ in range(runs):
         budget = rng.choice(BUDGETS)
-        mates = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60))) for _ in range(rng.randint(0, 7))]
+        # up to 30 words: the target's prompt (~40 tokens) shares chunked-prefill steps with mates of every length
+        mates = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30))) for _ in range(rng.randint(0, 7))]
         at = rng.randint(0, len(mates))
         params = [_mate_params(rng) for _ in mates]
         plans.append((budget, mates[:at] + [TARGET] + mates[at:], params[:at] + [target_params] + params[at:], at))
