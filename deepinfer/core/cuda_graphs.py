@@ -109,7 +109,7 @@ class DecodeGraphs:
 
     def _shape(self, scheduled) -> PaddedShape:
         q = self.tokens_per_request
-        size = next(s for s in self.sizes if s >= len(scheduled))
+        size = self.padded_requests(len(scheduled))
         longest = max(start + q for _, start, _ in scheduled)  # the padding rows' positions too
         context = 1 << (longest - 1).bit_length()
         if q == 1:

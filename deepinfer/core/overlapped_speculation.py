@@ -210,15 +210,19 @@ class OverlappedSpeculation:
         e, s = self.engine, self.speculator
         params = [r.params for r in requests]
         pad = e.graphs.padded_requests(len(requests)) - len(requests)
+
+        def padded(values: list, fill) -> list:  # the graph's padding requests: greedy, unseeded, nothing to verify
+            return values + [fill] * pad
+
         floor = (survival_floor(len(requests), s.max_drafts, s.max_num_batched_tokens) if s.confidence_scheduling
                  else 0.0)
-        floats = [[p.temperature for p in params] + [0.0] * pad, [p.top_p for p in params] + [1.0] * pad,
-                  [p.min_p for p in params] + [0.0] * pad, [floor] * (len(requests) + pad)]
+        floats = [padded([p.temperature for p in params], 0.0), padded([p.top_p for p in params], 1.0),
+                  padded([p.min_p for p in params], 0.0), padded([floor] * len(requests), floor)]
         ends = [min(p.max_tokens + len(r.prompt_token_ids), e.max_model_len) for p, r in zip(params, requests)]
-        ints = [[max(p.top_k, 0) for p in params] + [0] * pad, [sample_seed(r) for r in requests] + [-1] * pad,
-                [len(r.prompt_token_ids) for r in requests] + [0] * pad,
-                [r.num_drafts if first else 0 for r in requests] + [0] * pad,
-                s.drafter.device_slots(requests) + [-1] * pad, ends + [0] * pad]
+        ints = [padded([max(p.top_k, 0) for p in params], 0), padded([sample_seed(r) for r in requests], -1),
+                padded([len(r.prompt_token_ids) for r in requests], 0),
+                padded([r.num_drafts if first else 0 for r in requests], 0),
+                padded(s.drafter.device_slots(requests), -1), padded(ends, 0)]
         return {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
                 "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -82,12 +82,8 @@ def build_sampling_batch(rows: list[tuple[Request, int]], vocab_size: int, devic
         output_token_ids=[r.output_token_ids + r.draft_token_ids[:j] for r, j in rows] if penalised else [],
         blocked_token_ids=[_blocked(r, i) for r, i in zip(requests, index)],
         any_penalties=penalised,
-        **_flag_fields(SamplingFlags.of(params, vocab_size)),
+        **asdict(SamplingFlags.of(params, vocab_size)),
     )
-
-
-def _flag_fields(flags: SamplingFlags) -> dict:
-    return {name: getattr(flags, name) for name in SamplingFlags.__slots__}
 
 
 def device_sampling_batch(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -98,4 +94,4 @@ def device_sampling_batch(temperature: torch.Tensor, top_k: torch.Tensor, top_p:
     return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=none,
                          frequency_penalty=none, repetition_penalty=none + 1, seeds=seeds, positions=positions,
                          prompt_token_ids=[], output_token_ids=[], blocked_token_ids=[],
-                         any_penalties=False, **_flag_fields(flags))
+                         any_penalties=False, **asdict(flags))

@@ -37,22 +37,19 @@ class DraftGraphs:
         return batch <= self.sizes[-1]
 
     def __call__(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``inputs`` on the host. The outputs are the graph's own tensors: the next replay rewrites them."""
-        size = next(s for s in self.sizes if s >= inputs.shape[1])
+        batch = inputs.shape[1]
+        size = next(s for s in self.sizes if s >= batch)
         captured = self.graphs.get(size)
+        padded = captured.staging if captured is not None else torch.empty(3, size, dtype=torch.int64, pin_memory=True)
+        padded.zero_()
+        padded[2] = self.empty_slot
+        padded[:, :batch] = inputs
         if captured is None:
-            staging = torch.empty(3, size, dtype=torch.int64, pin_memory=True)
-            captured = self.graphs[size] = self._capture(self._padded(staging, inputs))
+            captured = self.graphs[size] = self._capture(padded)
         else:
-            captured.inputs.copy_(self._padded(captured.staging, inputs), non_blocking=True)
+            captured.inputs.copy_(padded, non_blocking=True)
         captured.graph.replay()
-        return tuple(t[:inputs.shape[1]] for t in captured.outputs)
-
-    def _padded(self, target: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        target[:2] = 0
-        target[2] = self.empty_slot
-        target[:, :inputs.shape[1]] = inputs
-        return target
+        return tuple(t[:batch] for t in captured.outputs)
 
     def _capture(self, host_inputs: torch.Tensor) -> _Captured:
         start = time.perf_counter()
