@@ -70,8 +70,8 @@ def _check(ours: torch.Tensor, reference: torch.Tensor, fmt, dtype) -> None:
 def _compare(weights: ExpertWeights, x, ids, topk_weights, fmt) -> None:
     if CUDA:
         torch.full((1 << 26,), float("nan"), device=DEVICE)  # poison what the kernels allocate next
-    ours = TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights)
-    _check(ours, TorchMoE().routed_experts(x, ids, topk_weights, weights), fmt, x.dtype)
+    reference = TorchMoE().routed_experts(x, ids, topk_weights, weights)  # first: TritonMoE repacks MXFP4 in place
+    _check(TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights), reference, fmt, x.dtype)
 
 
 @pytest.mark.parametrize("fmt, dtype", FORMATS)

@@ -115,7 +115,9 @@ if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then to
 fi
 if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
     stamp mxfp4
-    timeout ${MXFP4_TIMEOUT:-360} python tools/gpu_mxfp4.py 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -12
+    timeout ${TESTS_TIMEOUT:-240} python -m pytest -q -x tests/test_nvidia_moe_mxfp4.py tests/test_nvidia_moe.py \
+        tests/test_nvidia_moe_grouped.py 2>&1 | tee "$out/mxfp4_tests.txt" | tail -4
+    timeout ${MXFP4_TIMEOUT:-360} python tools/gpu_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -40
 fi
 if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton against DeepGEMM's masked GEMM per layer, then
     # flash4Lfp8's replayed decode steps (FP8_KERNELS="auto triton" adds a run with Triton only; a fresh box compiles
@@ -253,6 +255,16 @@ if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF 
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     model=/tmp/v41flash8L latency v41_b1 --batch-size 1 --input-len 512 --output-len 64
     model=/tmp/v41flash8L latency v41_b64 --batch-size 64 --input-len 512 --output-len 64
+fi
+if has v41prev; then  # the same two runs from the previous commit's tree in .prev (git archive; carried), as the peer
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for b in ${V41_BATCHES:-1 64}; do
+        stamp "latency v41_b${b} (previous commit)"
+        (cd .prev && PYTHONPATH="$PWD:$PWD/backends/nvidia" timeout 400 python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); from deepinfer.cli import main; main()" \
+            bench latency --model /tmp/v41flash8L --load-format dummy --dtype bfloat16 --num-iters-warmup 1 --num-iters 3 \
+            --batch-size $b --input-len 512 --output-len 64 --output-json "$out/latency_v41prev_b$b.json" 2>&1 | grep -E "Error|error|Killed" | tail -4)
+        python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_v41prev_b$b.json" 2>&1
+    done
 fi
 stamp done
 du -sh .jit-cache/* && tar czf "$top/jit-cache.tgz" --exclude=previous.tgz .jit-cache

@@ -40,9 +40,9 @@ import triton
 import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import INTERPRETED, activation, moe_blocks, moe_fp8, moe_grouped, routing
-from deepinfer_nvidia.moe_grouped import e8m0_to_fp32
-from deepinfer_nvidia.fp8_rounding import act_quant
+from deepinfer_nvidia import INTERPRETED, activation, moe_blocks, moe_fp8, moe_grouped, moe_mxfp4, routing
+from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
+from deepinfer_nvidia.fp8_rounding import act_quant, fp8_rounded
 
 logger = init_logger(__name__)
 
@@ -337,10 +337,11 @@ class TritonMoE:
     graph_safe = True
 
     def __init__(self, reference, pinned: bool = False, grouped_gemm=None, grouped_align: int = 0,
-                 masked_gemm=None, masked_align: int = 0):
+                 masked_gemm=None, masked_align: int = 0, repack_fp4: bool = True):
         self.reference = reference  # serves what no kernel here takes (weights of other formats), with a warning
         self.pinned = pinned  # 16-row blocks and one tile configuration whatever the batch (batch-invariant mode)
         self.batch_invariant = pinned
+        self.repack_fp4 = repack_fp4  # MXFP4 experts repacked in place for moe_mxfp4 (False: the byte layout's kernel)
         # DeepGEMM's m_grouped_bf16_gemm_nt_contiguous and its M alignment: long prefills (moe_grouped); its
         # m_grouped_fp8_gemm_nt_masked and its M alignment: FP8 experts at decode (moe_fp8)
         self.grouped_gemm, self.grouped_align = (None, 0) if pinned else (grouped_gemm, grouped_align)
@@ -350,6 +351,19 @@ class TritonMoE:
         elif grouped_gemm is not None:
             self.name = "triton; DeepGEMM's grouped GEMM in long prefills" + (
                 " and its masked FP8 GEMM for FP8 experts at decode" if masked_gemm is not None else "")
+
+    def _repacked(self, weights) -> bool:
+        """Whether the swap-AB kernel (``moe_mxfp4``) serves these MXFP4 experts, repacking them on first sight;
+        batch-invariant mode keeps ``_fp4_experts``' pinned tiles."""
+        if self.pinned or not self.repack_fp4:
+            return False
+        reason = moe_mxfp4.prepare(weights)
+        shape = tuple(weights.w1.shape[1:]), tuple(weights.w2.shape[1:])
+        if reason is None:
+            log_once(logger, logging.INFO, f"MXFP4 experts {shape}: repacked for the swap-AB kernel (moe_mxfp4)")
+        else:
+            log_once(logger, logging.WARNING, f"MXFP4 experts {shape}: {reason}; the byte-layout kernel serves them")
+        return reason is None
 
     def route(self, x, token_ids, router):
         return routing.route(x, token_ids, router, pinned=self.pinned)
@@ -395,6 +409,11 @@ class TritonMoE:
             h = moe_fp8.fp8_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, block, chunk, w3,
                                     weights.w3_scale, limit)
             down = moe_fp8.fp8_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, bm, block, chunk)
+        elif fp4 and self._repacked(weights):
+            block = weights.activation_block
+            h = moe_mxfp4.experts(fp8_rounded(x, block), token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, w3,
+                                  weights.w3_scale, limit)
+            down = moe_mxfp4.experts(fp8_rounded(h, block), sorted_rows, order, w2, weights.w2_scale, blocks, bm)
         elif fp4:
             block = weights.activation_block
             h = _fp4_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, block, w3, weights.w3_scale,

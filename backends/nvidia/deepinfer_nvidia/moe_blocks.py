@@ -21,6 +21,14 @@ MAX_CHUNK = 64
 
 
 @triton.jit
+def e8m0_to_fp32(exponent):
+    """fp32 powers of two from e8m0 exponents (int32, 0-255) by moving bits: the byte is fp32's exponent field, and
+    exponent 0 (2^-127) fp32's subnormal bit 22, which the max gives. Integer ops, where exp2 would take the
+    special-function unit."""
+    return tl.maximum(exponent << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _pick(select, values):
     """``values[index]`` for each row of the one-hot ``select`` [n, E]: registers cannot be indexed."""
     return tl.sum(tl.where(select, values[None, :], 0), axis=1)

@@ -28,7 +28,7 @@ from deepinfer.core.quantization import infer_block
 from deepinfer_nvidia import activation, moe_blocks
 from deepinfer_nvidia.fp8_linear import _fp32_scales
 from deepinfer_nvidia.fp8_rounding import _native_fp8, act_quant
-from deepinfer_nvidia.moe_grouped import e8m0_to_fp32
+from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
 
 # DeepGEMM's masked GEMM serves steps of up to this many tokens: its slabs hold max_rows rows for every expert
 # (at 64 tokens and V4-Flash's 256 experts, 67 MB of FP8 input and 268 MB of bf16 gate and up a layer, reused)

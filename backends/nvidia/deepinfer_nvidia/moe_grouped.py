@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia import activation, moe_blocks
+from deepinfer_nvidia import activation, moe_blocks, moe_mxfp4
 from deepinfer_nvidia.fp8_rounding import fp8_rounded
 
 # Rows per expert, on average over the layer's experts, from which the grouped GEMM serves a call: below, padding
@@ -69,14 +69,6 @@ def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int, chunk: i
 
 
 @triton.jit
-def e8m0_to_fp32(exponent):
-    """fp32 powers of two from e8m0 exponents (int32, 0-255) by moving bits: the byte is fp32's exponent field, and
-    exponent 0 (2^-127) fp32's subnormal bit 22, which the max gives. Integer ops, where exp2 would take the
-    special-function unit."""
-    return tl.maximum(exponent << 23, 1 << 22).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _fp4_times_scale(codes, scale):
     """bf16 bits (int32) of e2m1 ``codes`` (0-15) times ``scale`` (fp32), the operands built from bits (no exp2):
     magnitude m >= 1 is 2^((m >> 1) - 1), times 1.5 when m >= 2 is odd; the product is exact in bf16 unless the
@@ -102,7 +94,7 @@ def _dequant_fp4_kernel(codes_ptr, scales_ptr, out_ptr, rows, rows_per_expert, s
     packed = packed.to(tl.int32) & 0xFF
     exponent = tl.load(scales_ptr + (expert * stride_se + n * stride_sn)[:, None] + (offs // 16)[None, :], mask=ok,
                        other=127).to(tl.int32) & 0xFF
-    scale = e8m0_to_fp32(exponent)
+    scale = moe_blocks.e8m0_to_fp32(exponent)
     words = _fp4_times_scale(packed & 0xF, scale) | (_fp4_times_scale(packed >> 4, scale) << 16)
     tl.store(out_ptr + row.to(tl.int64)[:, None] * HALF_K + offs[None, :], words, mask=ok)
 
@@ -121,6 +113,13 @@ def dequantize_fp4_experts(codes: torch.Tensor, scales: torch.Tensor, out: torch
                                   codes.stride(1), exponents.stride(0), exponents.stride(1), HALF_K=half,
                                   ROWS=tile_rows, BLOCK=block)
     return out[:experts]
+
+
+def _dequantized(codes, scales, first: int, last: int, scratch):
+    """Experts first..last-1 of a packed MXFP4 stack as bf16, in either byte layout."""
+    if moe_mxfp4.is_repacked(codes):
+        return moe_mxfp4.dequantize(codes[first:last], scales[first:last], scratch)
+    return dequantize_fp4_experts(codes[first:last], scales[first:last], scratch)
 
 
 def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_experts: int = FP4_CHUNK_EXPERTS):
@@ -143,7 +142,7 @@ def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_e
     scratch = torch.empty(chunk, inter, hidden, dtype=torch.bfloat16, device=x.device) if fp4 else None
     for first, last, lo, hi in chunks:
         for w, scale, out in ((w1, weights.w1_scale, gate), (w3, weights.w3_scale, up)):
-            b = dequantize_fp4_experts(w[first:last], scale[first:last], scratch) if fp4 else w
+            b = _dequantized(w, scale, first, last, scratch) if fp4 else w
             gemm(stacked[lo:hi], b, out[lo:hi], layout[lo:hi])
     h = activation.swiglu(gate, up, weights.swiglu_limit)
     if fp4:
@@ -151,6 +150,6 @@ def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_e
         scratch = scratch.view(chunk, hidden, inter)  # w2's shape, the same bytes
     down = torch.empty(len(layout), hidden, dtype=torch.bfloat16, device=x.device)
     for first, last, lo, hi in chunks:
-        b = dequantize_fp4_experts(w2[first:last], weights.w2_scale[first:last], scratch) if fp4 else w2
+        b = _dequantized(w2, weights.w2_scale, first, last, scratch) if fp4 else w2
         gemm(h[lo:hi], b, down[lo:hi], layout[lo:hi])
     return moe_blocks.combine(down[padded_row], topk_weights, x.dtype)

@@ -1,0 +1,324 @@
+"""MXFP4 routed experts with the weights as the MMA's left operand ("swap-AB"), decoded from a layout repacked once.
+
+A decode step gives each expert a handful of tokens, so the experts are a stream of weight bytes: the kernel must
+decode e2m1 codes as fast as HBM delivers them (about 30 values per SM clock on an H200). Three choices serve that:
+
+- Swap-AB: a program computes ``W_tile [BN, K] x A^T [K, BM]`` with BN = 64-128 weight rows on the MMA's M side and
+  the few tokens on its N side (16 or more), instead of padding the tokens up to M.
+- Both operands are exact in bf16, so one bf16 MMA chain over all of K gives the reference's products: an e2m1 code
+  times its e8m0 scale is exact in bf16 (1 mantissa bit), and so is an activation the reference rounds to FP8 (an
+  e4m3 value times a power of two; ``fp8_rounded``). No per-block rescaling of the accumulators.
+- The repacked layout (``repack``): in each 64-column chunk of a row, the 32-bit word ``w`` holds columns
+  ``4w..4w+3`` (group A, the chunk's first 32 columns) and ``32+4w..32+4w+3`` (group B), their bits placed so that
+  four registers of two bf16 values come out of the word with one AND each for three of them
+  (``q & 0x81C081C0``, ``(q << 3) & ...``, ``(q << 6) & ...``) and five ops for the fourth. Each value lands as
+  ``code x 2^-126`` (its sign at bit 15, its three exponent/mantissa bits at bf16's bits 8..6; code 1, 0.5, is
+  bf16's subnormal), and one ``mul.bf16x2`` by ``2^(e - 1)`` per pair applies the scale and the 2^126. That needs
+  e <= 128 (a scale of at most 2, weights of magnitude at most 12): ``repack`` refuses other layers, which keep
+  ``moe``'s kernel.
+
+The repack permutes bits within each 64-column chunk of a row, so the bytes stay the same in number and place per
+(expert, row, chunk): expert parallelism's moves copy whole experts as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_nvidia import moe_blocks
+from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
+
+CHUNK = 64  # columns per repacked chunk: 32 bytes, eight 32-bit words
+MAX_SCALE_EXPONENT = 128  # 2^(e - 1) must be a finite bf16
+
+# Bit position of each (sign, e1, e0, m) of the eight values of a word: A0..A3 are the chunk's columns 4w..4w+3,
+# B0..B3 columns 32+4w..32+4w+3. Registers: (A0, A1) = q & M, (A2, A3) = (q << 3) & M, (B0, B1) = (q << 6) & M with
+# M = 0x81C081C0 (low half: bits 15, 8..6; high half: 31, 24..22), (B2, B3) from the sixteen bits left.
+WORD_BITS = {
+    "A0": (15, 8, 7, 6), "A1": (31, 24, 23, 22), "A2": (12, 5, 4, 3), "A3": (28, 21, 20, 19),
+    "B0": (9, 2, 1, 0), "B1": (25, 18, 17, 16), "B2": (14, 13, 11, 10), "B3": (30, 29, 27, 26),
+}
+_ORDER = ["A0", "A1", "A2", "A3", "B0", "B1", "B2", "B3"]
+
+
+def repackable(codes: torch.Tensor, scales: torch.Tensor) -> str | None:
+    """Why these packed MXFP4 experts (int8 [E, N, K/2], e8m0 scales [E, N, K/32]) cannot be repacked, or None."""
+    if codes.dtype != torch.int8 or codes.dim() != 3:
+        return f"codes of dtype {codes.dtype} and {codes.dim()} dims (int8 [E, N, K/2] expected)"
+    if (2 * codes.shape[2]) % CHUNK or codes.shape[1] % 16:
+        return f"K = {2 * codes.shape[2]} not a multiple of {CHUNK} or N = {codes.shape[1]} not one of 16"
+    if not codes.is_contiguous() or not scales.is_contiguous():
+        return "non-contiguous codes or scales"
+    if codes.numel() and int(scales.view(torch.uint8).max()) > MAX_SCALE_EXPONENT:
+        return f"a scale above 2^{MAX_SCALE_EXPONENT - 127} (the folded scale would leave bf16's range)"
+    return None
+
+
+def _codes(codes: torch.Tensor) -> torch.Tensor:
+    """Standard packed codes [..., K/2] (low nibble the even column) -> int32 codes [..., K] (0-15)."""
+    raw = codes.view(torch.uint8).to(torch.int32)
+    return torch.stack((raw & 0xF, raw >> 4), dim=-1).flatten(-2)
+
+
+def _groups(t: torch.Tensor, per_chunk: int) -> torch.Tensor:
+    """[N, chunks * per_chunk] -> [N/16, 8, chunks, 2 (row r or r + 8), per_chunk]: a 16-row block's row pairs."""
+    rows = t.shape[0]
+    return t.view(rows // 16, 2, 8, -1, per_chunk).permute(0, 2, 3, 1, 4)
+
+
+def repack(codes: torch.Tensor) -> None:
+    """Standard packed MXFP4 codes [E, N, K/2] (int8, N a multiple of 16) -> the repacked layout, in place.
+
+    The four bytes of a word sit where an MMA fragment's registers read them: rows r and r + 8 of a 16-row block,
+    columns c and c + 1 (c even) of a chunk's 32 bytes, in the order (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1),
+    which is how Triton packs four elements of the dot operand's register layout for ``inline_asm_elementwise``."""
+    for expert in codes:
+        values = _groups(_codes(expert), CHUNK)  # [N/16, 8, chunks, 2 (row), 64 (column)]
+        a, b = values[..., :32], values[..., 32:]  # the word's A values, its B values
+        word = torch.zeros(values.shape[:3] + (16,), dtype=torch.int64, device=codes.device)  # one per column pair
+        for index, name in enumerate(_ORDER):
+            source = a if index < 4 else b
+            row, column = (index % 4) // 2, index % 2
+            code = source[..., row, column::2].to(torch.int64)
+            for bit, position in zip((3, 2, 1, 0), WORD_BITS[name]):
+                word |= ((code >> bit) & 1) << position
+        out = _groups(torch.empty_like(expert.view(torch.uint8)), 32)  # [N/16, 8, chunks, 2, 32] view of the bytes
+        for byte in range(4):
+            out[..., byte // 2, byte % 2::2] = ((word >> (8 * byte)) & 0xFF).to(torch.uint8)
+        expert.copy_(out.permute(0, 3, 1, 2, 4).reshape(expert.shape).view(torch.int8))
+
+
+def unpack(repacked: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``repack`` (a new tensor): what tests read."""
+    out = torch.empty_like(repacked)
+    for expert, target in zip(repacked, out):
+        raw = _groups(expert.contiguous().view(torch.uint8).to(torch.int64), 32)
+        word = sum(raw[..., byte // 2, byte % 2::2] << (8 * byte) for byte in range(4))
+        values = torch.empty(raw.shape[:3] + (2, CHUNK), dtype=torch.int64, device=repacked.device)
+        for index, name in enumerate(_ORDER):
+            code = torch.zeros_like(word)
+            for bit, position in zip((3, 2, 1, 0), WORD_BITS[name]):
+                code |= ((word >> position) & 1) << bit
+            row, column = (index % 4) // 2, index % 2
+            values[..., row, (0 if index < 4 else 32) + column:(32 if index < 4 else 64):2] = code
+        flat = values.permute(0, 3, 1, 2, 4).reshape(expert.shape[0], -1)
+        target.copy_((flat[:, 0::2] | (flat[:, 1::2] << 4)).to(torch.uint8).view(torch.int8))
+    return out
+
+
+# Four bf16x2 registers of a repacked word, each pair times its group's scale (2^(e - 1), bf16x2): the bias 2^-126
+# of the decoded values and the e8m0 scale in one multiply.
+_DECODE_PTX = tl.constexpr("""
+{
+.reg .b32 t0, t1, t2;
+and.b32 $0, $4, 0x81C081C0;
+shl.b32 t0, $4, 3;
+and.b32 $1, t0, 0x81C081C0;
+shl.b32 t0, $4, 6;
+and.b32 $2, t0, 0x81C081C0;
+shl.b32 t0, $4, 1;
+and.b32 t0, t0, 0x80008000;
+shr.b32 t1, $4, 5;
+and.b32 t1, t1, 0x01000100;
+shr.b32 t2, $4, 4;
+and.b32 t2, t2, 0x00C000C0;
+or.b32 t0, t0, t1;
+or.b32 $3, t0, t2;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $5;
+mul.rn.bf16x2 $2, $2, $7;
+mul.rn.bf16x2 $3, $3, $7;
+}
+""")
+
+
+@triton.jit
+def _scale_bf16(exponents):
+    """2^(e - 1) as bf16 from e8m0 exponent bytes (int32, e <= 128): the e8m0 scale times the decode's 2^126."""
+    return ((exponents + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _value(word, SIGN: tl.constexpr, E1: tl.constexpr, E0: tl.constexpr, M: tl.constexpr, scale):
+    """The interpreter's decode of one value of each word, in fp32 (its bf16 is unreliable) and without the GPU's
+    2^-126 bias (the tests flush subnormals): +-2^(e - 1) (1 + m/2), or m/2 for e = 0, times the e8m0 ``scale``."""
+    exponent = ((word >> E1) & 1) * 2 + ((word >> E0) & 1)
+    half = ((word >> M) & 1).to(tl.float32) * 0.5
+    magnitude = tl.where(exponent == 0, half, (1.0 + half) * tl.exp2((exponent - 1).to(tl.float32)))
+    return tl.where(((word >> SIGN) & 1) == 1, -magnitude, magnitude) * scale
+
+
+@triton.jit
+def _rows_of_pairs(top, bottom):
+    """[BN/2, 32] tiles of rows r and r + 8 of each 16-row block (group g: block g // 8, r = g % 8) -> [BN, 32]."""
+    pairs = tl.reshape(tl.join(top, bottom), (top.shape[0] // 8, 8, 32, 2))
+    return tl.reshape(tl.permute(pairs, (0, 3, 1, 2)), (2 * top.shape[0], 32))
+
+
+@triton.jit
+def _columns_of_pairs(even, odd):
+    """[BN/2, 16] values of columns 2c and 2c + 1 -> [BN/2, 32]."""
+    return tl.reshape(tl.join(even, odd), (even.shape[0], 32))
+
+
+@triton.jit
+def _chunk(w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk, BN: tl.constexpr, NATIVE: tl.constexpr):
+    """One 64-column chunk of the BN weight rows from ``n0`` as two bf16 [BN, 32] tiles (columns 0-31, 32-63),
+    scaled (``s_off``, ``n_ok``: the rows' scale offsets and mask)."""
+    exp_a = tl.load(s_ptr + s_off + 2 * chunk, mask=n_ok, other=127).to(tl.int32) & 0xFF
+    exp_b = tl.load(s_ptr + s_off + 2 * chunk + 1, mask=n_ok, other=127).to(tl.int32) & 0xFF
+    if NATIVE:  # Triton packs each word's four bytes from the MMA fragment's registers (see ``repack``)
+        row_off = w_base + (n0 + tl.arange(0, BN)).to(tl.int64) * stride_wn
+        packed = tl.load(w_ptr + row_off[:, None] + chunk * 32 + tl.arange(0, 32)[None, :], mask=n_ok[:, None],
+                         other=0)
+        a, b = tl.inline_asm_elementwise(
+            _DECODE_PTX, "=r,=r,=r,=r,r,r,r,r,r",
+            [packed, tl.broadcast_to(_scale_bf16(exp_a)[:, None], packed.shape),
+             tl.broadcast_to(_scale_bf16(exp_b)[:, None], packed.shape)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:  # Triton's interpreter runs no PTX: each word's bytes gathered by address, decoded a value at a time
+        group = tl.arange(0, BN // 2)
+        top = n0 + 16 * (group // 8) + group % 8  # row r of each pair; r + 8 is the other
+        pair = chunk * 32 + 2 * tl.arange(0, 16)[None, :]
+        top_ok = (top < N)[:, None]
+        base = w_ptr + w_base + top.to(tl.int64)[:, None] * stride_wn + pair
+        word = tl.zeros((BN // 2, 16), tl.int32)
+        for byte in tl.static_range(4):
+            raw = tl.load(base + (byte // 2) * 8 * stride_wn + byte % 2, mask=top_ok, other=0)
+            word = word | ((raw.to(tl.int32) & 0xFF) << (8 * byte))
+        scale_a, scale_b = e8m0_to_fp32(exp_a), e8m0_to_fp32(exp_b)
+        # each 16-row block's scales as its r rows' and r + 8 rows' (the values are laid out in the same pairs)
+        pairs_a = tl.reshape(scale_a, (BN // 16, 2, 8))
+        pairs_b = tl.reshape(scale_b, (BN // 16, 2, 8))
+        top_a, bottom_a = tl.split(tl.permute(pairs_a, (0, 2, 1)))
+        top_b, bottom_b = tl.split(tl.permute(pairs_b, (0, 2, 1)))
+        ta, ba = tl.reshape(top_a, (BN // 2,))[:, None], tl.reshape(bottom_a, (BN // 2,))[:, None]
+        tb, bb = tl.reshape(top_b, (BN // 2,))[:, None], tl.reshape(bottom_b, (BN // 2,))[:, None]
+        a = _rows_of_pairs(_columns_of_pairs(_value(word, 15, 8, 7, 6, ta), _value(word, 31, 24, 23, 22, ta)),
+                           _columns_of_pairs(_value(word, 12, 5, 4, 3, ba), _value(word, 28, 21, 20, 19, ba)))
+        b = _rows_of_pairs(_columns_of_pairs(_value(word, 9, 2, 1, 0, tb), _value(word, 25, 18, 17, 16, tb)),
+                           _columns_of_pairs(_value(word, 14, 13, 11, 10, bb), _value(word, 30, 29, 27, 26, bb)))
+    return a, b
+
+
+@triton.jit
+def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, K: tl.constexpr,
+             BN: tl.constexpr, NATIVE: tl.constexpr):
+    """``acc`` [BN, BM] plus this tile's weight rows times the activation rows ``rows`` [BM], over all of K."""
+    cols = tl.arange(0, 32)
+    for chunk in range(K // 64):
+        w_a, w_b = _chunk(w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk, BN, NATIVE)
+        a_lo = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + cols[None, :], mask=m_ok[:, None], other=0.0)
+        a_hi = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + 32 + cols[None, :], mask=m_ok[:, None],
+                       other=0.0)
+        if NATIVE:
+            acc = tl.dot(w_a, tl.trans(a_lo), acc)
+            acc = tl.dot(w_b, tl.trans(a_hi), acc)
+        else:  # the interpreter: fp32 products of the same exact values
+            acc = tl.dot(w_a, tl.trans(a_lo.to(tl.float32)), acc)
+            acc = tl.dot(w_b, tl.trans(a_hi.to(tl.float32)), acc)
+    return acc
+
+
+@triton.jit
+def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, out_rows_ptr, block_expert_ptr,
+                    block_start_ptr, block_rows_ptr, N, limit, stride_a, stride_we, stride_wn, stride_se, stride_sn,
+                    stride_out, K: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr,
+                    NATIVE: tl.constexpr):
+    """out = a W^T for one block of rows (an expert's) and BN columns; with SWIGLU, swiglu(a W^T, a V^T)."""
+    count = tl.load(block_rows_ptr + tl.program_id(0))
+    if count == 0:  # a surplus block of the shape-sized grid
+        return
+    expert, start, offs_m, m_ok, rows, offs_n, n_ok = moe_blocks.block_tile(count, block_expert_ptr, block_start_ptr,
+                                                                             a_rows_ptr, N, BLOCK_M, BN)
+    n0 = tl.program_id(1) * BN
+    s_off = expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    gate = _project(tl.zeros((BN, BLOCK_M), dtype=tl.float32), a_ptr, rows, m_ok, stride_a, w_ptr, expert * stride_we,
+                    n0, stride_wn, N, sw_ptr, s_off, n_ok, K, BN, NATIVE)
+    up = gate
+    if SWIGLU:
+        up = _project(tl.zeros((BN, BLOCK_M), dtype=tl.float32), a_ptr, rows, m_ok, stride_a, v_ptr,
+                      expert * stride_we, n0, stride_wn, N, sv_ptr, s_off, n_ok, K, BN, NATIVE)
+    moe_blocks.store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, tl.trans(gate),
+                           tl.trans(up), limit, SWIGLU)
+
+
+# (BN weight rows, warps, pipeline stages) per rows-per-block bucket; tools/gpu_mxfp4.py sweeps them on the H200
+TILES = {16: (64, 4, 3), 64: (128, 8, 4)}
+
+
+def experts(a: torch.Tensor, a_rows, out_rows, w, w_scale, blocks, bm: int, v=None, v_scale=None,
+            limit: float = 0.0) -> torch.Tensor:
+    """fp32 [len(out_rows), N]: rows of the bf16 activations ``a`` (already FP8-rounded) times the repacked w, or
+    swiglu of w and v when v is given; ``blocks`` and ``bm`` as ``moe`` builds them (bm >= 16)."""
+    n, k = w.shape[1], 2 * w.shape[2]
+    out = torch.empty(len(out_rows), n, dtype=torch.float32, device=a.device)
+    swiglu = v is not None
+    native = a.device.type == "cuda"
+    scales = w_scale.view(torch.uint8)
+    v_scales = (v_scale if swiglu else w_scale).view(torch.uint8)
+    bn, warps, stages = TILES[bm]
+    grid = (len(blocks[0]), triton.cdiv(n, bn))
+    tuning = {"num_warps": warps, "num_stages": stages} if native else {}
+    v = v if swiglu else w
+    _experts_kernel[grid](a, a_rows, w, v, scales, v_scales, out, out_rows, *blocks, n, limit,
+                          a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
+                          K=k, BLOCK_M=bm, BN=bn, SWIGLU=swiglu, NATIVE=native, **tuning)
+    return out
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, rows, stride_wr, stride_sr, K: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS repacked weight rows (of all experts, flattened: 16-row blocks never straddle two) -> bf16 [ROWS, K], the
+    grouped GEMM's operand, a 64-column chunk at a time with the interpreter's decode (plain Triton, no PTX)."""
+    n0 = tl.program_id(0) * ROWS
+    row = n0 + tl.arange(0, ROWS)
+    ok = row < rows
+    row = row.to(tl.int64)
+    cols = tl.arange(0, 32)
+    for chunk in range(K // 64):
+        a, b = _chunk(w_ptr, 0, n0, stride_wr, rows, s_ptr, row * stride_sr, ok, chunk, ROWS, False)
+        base = out_ptr + row[:, None] * K + chunk * 64 + cols[None, :]
+        tl.store(base, a.to(tl.bfloat16), mask=ok[:, None])
+        tl.store(base + 32, b.to(tl.bfloat16), mask=ok[:, None])
+
+
+def dequantize(repacked: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Repacked MXFP4 experts [E, N, K/2] with their scales [E, N, K/32] -> bf16 [E, N, K], exact (into ``out``'s
+    first E experts when given)."""
+    experts, rows, half = repacked.shape
+    if out is None:
+        out = torch.empty(experts, rows, 2 * half, dtype=torch.bfloat16, device=repacked.device)
+    if experts * rows:
+        tile_rows = 16
+        _dequant_kernel[(triton.cdiv(experts * rows, tile_rows),)](
+            repacked, scales.view(torch.uint8), out, experts * rows, half, 2 * half // 32, K=2 * half,
+            ROWS=tile_rows)
+    return out[:experts]
+
+
+LAYOUT_ATTRIBUTE = "_deepinfer_mxfp4_layout"  # set on a codes tensor once its bytes are repacked
+
+
+def is_repacked(codes: torch.Tensor) -> bool:
+    return getattr(codes, LAYOUT_ATTRIBUTE, None) == "swap-ab"
+
+
+def prepare(weights) -> str | None:
+    """Repacks a layer's MXFP4 experts in place the first time they are seen (marking each tensor), or says why
+    they cannot be (and leaves them as they are)."""
+    stacks = ((weights.w1, weights.w1_scale), (weights.w3, weights.w3_scale), (weights.w2, weights.w2_scale))
+    if all(is_repacked(codes) for codes, _ in stacks):
+        return None
+    if any(is_repacked(codes) for codes, _ in stacks):
+        raise ValueError("MXFP4 experts: some of a layer's w1/w3/w2 are repacked and some not")
+    for codes, scales in stacks:
+        reason = repackable(codes, scales)
+        if reason is not None:
+            return reason
+    for codes, _ in stacks:
+        repack(codes)
+        setattr(codes, LAYOUT_ATTRIBUTE, "swap-ab")
+    return None
