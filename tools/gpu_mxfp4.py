@@ -26,7 +26,7 @@ DEVICE = torch.device("cuda")
 HIDDEN, INTER, EXPERTS, TOP_K = 5120, 2304, 384, 6
 BATCHES = [1, 8, 16, 32, 64, 256, 2048]
 ACTIVATION_BLOCK = 32  # V4.1's weight_block_size (V4's is 128)
-SWEEP = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3)]
+SWEEP = [(64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3)]
 
 
 def _stack(rows: int, cols: int):

@@ -62,54 +62,65 @@ def _codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack((raw & 0xF, raw >> 4), dim=-1).flatten(-2)
 
 
-def _groups(t: torch.Tensor, per_chunk: int) -> torch.Tensor:
-    """[N, chunks * per_chunk] -> [N/16, 8, chunks, 2 (row r or r + 8), per_chunk]: a 16-row block's row pairs."""
-    rows = t.shape[0]
-    return t.view(rows // 16, 2, 8, -1, per_chunk).permute(0, 2, 3, 1, 4)
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """int32 codes [N, K] -> each 16-row block's words [N/16, 8 (r), chunks, 16 (column pair q)] (int64): the values
+    of rows r and r + 8, columns 2q and 2q + 1, of the chunk's group A and group B."""
+    values = codes.view(codes.shape[0] // 16, 2, 8, -1, CHUNK).to(torch.int64)  # [block, half, r, chunk, column]
+    word = torch.zeros(values.shape[:1] + values.shape[2:4] + (16,), dtype=torch.int64, device=codes.device)
+    for index, name in enumerate(_ORDER):
+        half, column = (index % 4) // 2, index % 2
+        code = values[:, half, :, :, (0 if index < 4 else 32) + column::2][..., :16]
+        for bit, position in zip((3, 2, 1, 0), WORD_BITS[name]):
+            word |= ((code >> bit) & 1) << position
+    return word
+
+
+def _placed(word_bytes: torch.Tensor, rows: int) -> torch.Tensor:
+    """[N/16, 8 (r), chunks, 16 (q), 4 (byte)] -> the row-major bytes [N, K/2]: word (r, q)'s bytes are bytes 4q..4q+3
+    of a 64-byte line r, which is rows 2r and 2r + 1 of the block's chunk."""
+    lines = word_bytes.reshape(word_bytes.shape[0], 8, word_bytes.shape[2], 2, 32)  # [block, r, chunk, row, byte]
+    return lines.permute(0, 1, 3, 2, 4).reshape(rows, -1)
 
 
 def repack(codes: torch.Tensor) -> None:
     """Standard packed MXFP4 codes [E, N, K/2] (int8, N a multiple of 16) -> the repacked layout, in place.
 
-    The four bytes of a word sit where an MMA fragment's registers read them: rows r and r + 8 of a 16-row block,
-    columns c and c + 1 (c even) of a chunk's 32 bytes, in the order (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1),
-    which is how Triton packs four elements of the dot operand's register layout for ``inline_asm_elementwise``."""
+    Triton hands ``inline_asm_elementwise`` four elements of the MMA operand's register layout at a time: rows r and
+    r + 8 of a 16-row block, columns 2q and 2q + 1, in the order (r, 2q), (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1).
+    So each such group's eight values (those four positions of a chunk's group A and group B) make one word, and the
+    words are laid out so that one 16-byte load reads four of them: the kernel loads a [BN/2, 64] tile of 64-byte
+    lines and reshapes it (``_operand_bytes``) into the operand's [BN, 32] positions, which Triton's layouts make a
+    relabelling of registers."""
     for expert in codes:
-        values = _groups(_codes(expert), CHUNK)  # [N/16, 8, chunks, 2 (row), 64 (column)]
-        a, b = values[..., :32], values[..., 32:]  # the word's A values, its B values
-        word = torch.zeros(values.shape[:3] + (16,), dtype=torch.int64, device=codes.device)  # one per column pair
-        for index, name in enumerate(_ORDER):
-            source = a if index < 4 else b
-            row, column = (index % 4) // 2, index % 2
-            code = source[..., row, column::2].to(torch.int64)
-            for bit, position in zip((3, 2, 1, 0), WORD_BITS[name]):
-                word |= ((code >> bit) & 1) << position
-        out = _groups(torch.empty_like(expert.view(torch.uint8)), 32)  # [N/16, 8, chunks, 2, 32] view of the bytes
-        for byte in range(4):
-            out[..., byte // 2, byte % 2::2] = ((word >> (8 * byte)) & 0xFF).to(torch.uint8)
-        expert.copy_(out.permute(0, 3, 1, 2, 4).reshape(expert.shape).view(torch.int8))
+        word = _words(_codes(expert))
+        word_bytes = torch.stack([(word >> (8 * byte)) & 0xFF for byte in range(4)], dim=-1)
+        expert.copy_(_placed(word_bytes, expert.shape[0]).to(torch.uint8).view(torch.int8))
 
 
 def unpack(repacked: torch.Tensor) -> torch.Tensor:
     """The inverse of ``repack`` (a new tensor): what tests read."""
     out = torch.empty_like(repacked)
     for expert, target in zip(repacked, out):
-        raw = _groups(expert.contiguous().view(torch.uint8).to(torch.int64), 32)
-        word = sum(raw[..., byte // 2, byte % 2::2] << (8 * byte) for byte in range(4))
-        values = torch.empty(raw.shape[:3] + (2, CHUNK), dtype=torch.int64, device=repacked.device)
+        rows = expert.shape[0]
+        lines = expert.contiguous().view(torch.uint8).to(torch.int64).view(rows // 16, 8, 2, -1, 32)
+        word_bytes = lines.permute(0, 1, 3, 2, 4).reshape(rows // 16, 8, lines.shape[3], 16, 4)
+        word = sum(word_bytes[..., byte] << (8 * byte) for byte in range(4))
+        values = torch.empty(rows // 16, 2, 8, lines.shape[3], CHUNK, dtype=torch.int64, device=repacked.device)
         for index, name in enumerate(_ORDER):
             code = torch.zeros_like(word)
             for bit, position in zip((3, 2, 1, 0), WORD_BITS[name]):
                 code |= ((word >> position) & 1) << bit
-            row, column = (index % 4) // 2, index % 2
-            values[..., row, (0 if index < 4 else 32) + column:(32 if index < 4 else 64):2] = code
-        flat = values.permute(0, 3, 1, 2, 4).reshape(expert.shape[0], -1)
+            half, column = (index % 4) // 2, index % 2
+            first = (0 if index < 4 else 32) + column
+            values[:, half, :, :, first:first + 32:2] = code
+        flat = values.reshape(rows, -1)
         target.copy_((flat[:, 0::2] | (flat[:, 1::2] << 4)).to(torch.uint8).view(torch.int8))
     return out
 
 
-# Four bf16x2 registers of a repacked word, each pair times its group's scale (2^(e - 1), bf16x2): the bias 2^-126
-# of the decoded values and the e8m0 scale in one multiply.
+# Four bf16x2 registers of a repacked word, each pair times its row's and group's scale (2^(e - 1), bf16x2): the bias
+# 2^-126 of the decoded values and the e8m0 scale in one multiply. A pack's elements 0, 1 are row r, 2, 3 row r + 8,
+# so each scale operand's first register ($5, $7) serves (A0, A1) and (B0, B1), its second ($6, $8) the others.
 _DECODE_PTX = tl.constexpr("""
 {
 .reg .b32 t0, t1, t2;
@@ -127,9 +138,9 @@ and.b32 t2, t2, 0x00C000C0;
 or.b32 t0, t0, t1;
 or.b32 $3, t0, t2;
 mul.rn.bf16x2 $0, $0, $5;
-mul.rn.bf16x2 $1, $1, $5;
+mul.rn.bf16x2 $1, $1, $6;
 mul.rn.bf16x2 $2, $2, $7;
-mul.rn.bf16x2 $3, $3, $7;
+mul.rn.bf16x2 $3, $3, $8;
 }
 """)
 
@@ -164,36 +175,46 @@ def _columns_of_pairs(even, odd):
 
 
 @triton.jit
+def _lines(w_ptr, w_base, n0, stride_wn, N, chunk, BN: tl.constexpr):
+    """A chunk's repacked bytes for the BN rows from ``n0``: [BN/2, 64], line g holding the words of block g // 8's
+    rows r = g % 8 and r + 8 (rows 2r and 2r + 1 of the block in memory)."""
+    line = tl.arange(0, BN // 2)
+    column = tl.arange(0, 64)[None, :]
+    block_row = n0 + 16 * (line // 8)
+    row = (block_row + 2 * (line % 8))[:, None] + column // 32
+    return tl.load(w_ptr + w_base + row.to(tl.int64) * stride_wn + chunk * 32 + column % 32,
+                   mask=(block_row < N)[:, None], other=0)
+
+
+@triton.jit
+def _operand_bytes(lines, BN: tl.constexpr):
+    """[BN/2, 64] lines -> [BN, 32] bytes at the operand positions each word's bytes decode to (``repack``)."""
+    return tl.reshape(tl.permute(tl.reshape(lines, (BN // 16, 8, 16, 2, 2)), (0, 3, 1, 2, 4)), (BN, 32))
+
+
+@triton.jit
 def _chunk(w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk, BN: tl.constexpr, NATIVE: tl.constexpr):
-    """One 64-column chunk of the BN weight rows from ``n0`` as two bf16 [BN, 32] tiles (columns 0-31, 32-63),
-    scaled (``s_off``, ``n_ok``: the rows' scale offsets and mask)."""
+    """One 64-column chunk of the BN weight rows from ``n0`` as two [BN, 32] tiles (columns 0-31, 32-63), scaled
+    (``s_off``, ``n_ok``: the rows' scale offsets and mask): bf16 on a GPU, fp32 in the interpreter."""
     exp_a = tl.load(s_ptr + s_off + 2 * chunk, mask=n_ok, other=127).to(tl.int32) & 0xFF
     exp_b = tl.load(s_ptr + s_off + 2 * chunk + 1, mask=n_ok, other=127).to(tl.int32) & 0xFF
-    if NATIVE:  # Triton packs each word's four bytes from the MMA fragment's registers (see ``repack``)
-        row_off = w_base + (n0 + tl.arange(0, BN)).to(tl.int64) * stride_wn
-        packed = tl.load(w_ptr + row_off[:, None] + chunk * 32 + tl.arange(0, 32)[None, :], mask=n_ok[:, None],
-                         other=0)
+    lines = _lines(w_ptr, w_base, n0, stride_wn, N, chunk, BN)
+    if NATIVE:
+        packed = _operand_bytes(lines, BN)
         a, b = tl.inline_asm_elementwise(
             _DECODE_PTX, "=r,=r,=r,=r,r,r,r,r,r",
             [packed, tl.broadcast_to(_scale_bf16(exp_a)[:, None], packed.shape),
              tl.broadcast_to(_scale_bf16(exp_b)[:, None], packed.shape)],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:  # Triton's interpreter runs no PTX: each word's bytes gathered by address, decoded a value at a time
-        group = tl.arange(0, BN // 2)
-        top = n0 + 16 * (group // 8) + group % 8  # row r of each pair; r + 8 is the other
-        pair = chunk * 32 + 2 * tl.arange(0, 16)[None, :]
-        top_ok = (top < N)[:, None]
-        base = w_ptr + w_base + top.to(tl.int64)[:, None] * stride_wn + pair
-        word = tl.zeros((BN // 2, 16), tl.int32)
-        for byte in tl.static_range(4):
-            raw = tl.load(base + (byte // 2) * 8 * stride_wn + byte % 2, mask=top_ok, other=0)
-            word = word | ((raw.to(tl.int32) & 0xFF) << (8 * byte))
+    else:  # Triton's interpreter runs no PTX: each word from its four bytes, decoded a value at a time
+        low, high = tl.split(tl.reshape(lines.to(tl.int32) & 0xFF, (BN // 2, 16, 2, 2)))  # [line, q, half], by column
+        byte0, byte2 = tl.split(low)
+        byte1, byte3 = tl.split(high)
+        word = byte0 | (byte1 << 8) | (byte2 << 16) | (byte3 << 24)  # [BN/2, 16]
         scale_a, scale_b = e8m0_to_fp32(exp_a), e8m0_to_fp32(exp_b)
-        # each 16-row block's scales as its r rows' and r + 8 rows' (the values are laid out in the same pairs)
-        pairs_a = tl.reshape(scale_a, (BN // 16, 2, 8))
-        pairs_b = tl.reshape(scale_b, (BN // 16, 2, 8))
-        top_a, bottom_a = tl.split(tl.permute(pairs_a, (0, 2, 1)))
-        top_b, bottom_b = tl.split(tl.permute(pairs_b, (0, 2, 1)))
+        # the scales of each line's rows r and r + 8 (the values are laid out in the same pairs)
+        top_a, bottom_a = tl.split(tl.permute(tl.reshape(scale_a, (BN // 16, 2, 8)), (0, 2, 1)))
+        top_b, bottom_b = tl.split(tl.permute(tl.reshape(scale_b, (BN // 16, 2, 8)), (0, 2, 1)))
         ta, ba = tl.reshape(top_a, (BN // 2,))[:, None], tl.reshape(bottom_a, (BN // 2,))[:, None]
         tb, bb = tl.reshape(top_b, (BN // 2,))[:, None], tl.reshape(bottom_b, (BN // 2,))[:, None]
         a = _rows_of_pairs(_columns_of_pairs(_value(word, 15, 8, 7, 6, ta), _value(word, 31, 24, 23, 22, ta)),
