@@ -64,15 +64,19 @@ def _routing(tokens: int, experts: int, top_k: int, hidden: int, g: torch.Genera
 
 
 def _close(ours: torch.Tensor, reference: torch.Tensor) -> None:
-    # the same exact products in another fp32 summation order, then one bf16 rounding of the output
-    scale = reference.float().abs().amax()
-    assert torch.all((ours.float() - reference.float()).abs() <= 1e-4 * scale + reference.float().abs() * 2**-7)
+    # The same exact products in another fp32 summation order, then each side's bf16 rounding of the output (one ulp
+    # apart where they straddle a rounding boundary: 2^-8 relative). Where a SwiGLU output sits on an FP8 rounding
+    # boundary the order can also flip it by one e4m3 step before w2. A mis-decoded layout errs by 30% and more.
+    ours, reference = ours.float(), reference.float()
+    assert torch.isfinite(ours).all()
+    assert float((ours - reference).norm() / reference.norm()) <= 1e-2
+    assert float((ours - reference).abs().max()) <= 2**-5 * float(reference.abs().max())
 
 
 # (tokens, experts, top-k, hidden, intermediate): a decode step, uneven experts, a prefill-sized block
 SHAPES = [(1, 8, 2, 128, 64), (21, 6, 3, 192, 64), (70, 4, 2, 64, 128)]
 if CUDA:
-    SHAPES += [(1, 384, 6, 5120, 2304), (64, 384, 6, 5120, 2304), (300, 32, 6, 1024, 512)]
+    SHAPES += [(1, 384, 6, 5120, 2304), (300, 32, 6, 1024, 512)]  # tools/gpu_mxfp4.py checks V4.1 at 8-2048
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", SHAPES)
