@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, fp8_rounding, kv_store, logits, mhc,
-                              moe, moe_blocks, moe_fp8, moe_grouped, norm, rope, routing, slots)
+                              moe, moe_blocks, moe_fp8, moe_grouped, moe_mxfp4, norm, rope, routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -82,6 +82,13 @@ CASES = {
          "PACKED": packed, "WORD_SCALES": words})
         for name, packed, rows, words in (("int16 decode", False, 16, False), ("packed decode", True, 16, False),
                                           ("scale words", True, 16, True), ("64-row blocks", True, 64, True))},
+    **{f"mxfp4 swap-AB experts, {rows}-row blocks": (
+        moe_mxfp4._experts_kernel,
+        {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*i8", "v_ptr": "*i8", "sw_ptr": "*u8", "sv_ptr": "*u8"},
+        {"K": 5120, "BLOCK_M": rows, "BN": bn, "SWIGLU": True, "NATIVE": True})
+        for rows, bn in ((16, 64), (64, 128))},
+    "mxfp4 repacked dequantization": (moe_mxfp4._dequant_kernel, {"w_ptr": "*i8", "s_ptr": "*u8", "out_ptr": "*bf16"},
+                                      {"K": 2304, "ROWS": 16}),
     "float experts": (moe._float_experts_kernel, {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*bf16",
                                                   "v_ptr": "*bf16"},
                       {"K": 4096, "BLOCK_M": 64, "BN": 64, "BK": 64, "SWIGLU": True, "NATIVE": True}),
