@@ -59,18 +59,24 @@ def route_tokens(x: torch.Tensor, token_ids: torch.Tensor, router: RouterWeights
     return ids, weights * router.route_scale
 
 
+def descending_order(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores`` sorted along the last dim, best first, and their order, with the indexer's tie rule: equal scores
+    keep their order (the earlier column wins). -0.0 becomes +0.0 first: a weighted sum of ReLUs is exactly zero
+    wherever every head's ReLU is, signed by its weights, and a GPU radix sort would rank -0.0 below +0.0."""
+    return (scores + 0.0).sort(dim=-1, descending=True, stable=True)
+
+
 def select_topk(scores: torch.Tensor, candidates: torch.Tensor, topk: int) -> torch.Tensor:
     """Row indices of the ``min(topk, C)`` best-scoring candidates, -1 where fewer are visible.
 
-    ``scores`` [T, C] fp32, -inf where not visible. Every backend's ``indexer_topk`` selects with this function,
-    so they all break ties alike.
+    ``scores`` [T, C] fp32, -inf where not visible. Ties go to the earlier candidate (``descending_order``);
+    candidate lists hold entries oldest first, so among equal scores the lowest entry index wins, whatever the
+    batch padded the list to. Every backend's ``indexer_topk`` selects with this function, so they all agree.
     """
     k = min(topk, candidates.shape[1])
     if k == 0:
         return torch.full((candidates.shape[0], 0), -1, dtype=torch.int64, device=candidates.device)
-    # a stable sort breaks exact ties by candidate order (older entries first), so the
-    # choice does not depend on how many padded candidates the batch gave this query
-    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    values, order = descending_order(scores)
     picked = candidates.gather(1, order[:, :k])
     return torch.where(values[:, :k] == float("-inf"), -1, picked)
 

@@ -29,7 +29,7 @@ from deepinfer.core.linear import Linear, SharedInput
 from deepinfer.models.deepseek_v4.attention import grouped_output
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v41.layers import ComplexRotary
-from deepinfer.core.ops import select_topk
+from deepinfer.core.ops import descending_order, select_topk
 from deepinfer.plugins.interfaces import AttentionBackend
 
 
@@ -106,7 +106,7 @@ class Indexer(nn.Module):
         blocks = blocks.view(num_tokens, -1, self.block_size).amax(dim=-1)
         latest = (visible - 1) // self.block_size
         blocks = blocks.masked_fill(torch.arange(blocks.shape[1], device=scores.device) == latest.unsqueeze(1), float("inf"))
-        values, order = blocks.sort(dim=-1, descending=True, stable=True)
+        values, order = descending_order(blocks)  # tied blocks: the earlier wins, as entries do
         keep = min(self.top_blocks, blocks.shape[1])
         chosen = torch.zeros_like(blocks, dtype=torch.bool).scatter(1, order[:, :keep], values[:, :keep] > float("-inf"))
         return chosen.repeat_interleave(self.block_size, dim=1)[:, :width]
