@@ -92,3 +92,11 @@ def test_every_backend_breaks_relu_ties_by_entry_order(topk):
     for name, backend in _backends():
         picked = backend.indexer_topk(q, weights, keys, candidates, topk)
         assert picked.cpu().tolist() == expected, name
+
+
+def test_ascend_selects_with_the_reference_rule():
+    """The Ascend backend scores on the NPU but keeps the reference's selection (no NPU here to run it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "ascend"))
+    from deepinfer_ascend.attention import AscendAttention
+
+    assert AscendAttention.indexer_topk is TorchAttention.indexer_topk
