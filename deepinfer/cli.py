@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -11,11 +12,39 @@ import torch
 torch.set_flush_denormal(True)
 
 from deepinfer import (bench, bench_fullscale, bench_load, bench_parallel, bench_replay,  # noqa: E402
-                       bench_speculative, bench_structured, cli_commands)
+                       bench_speculative, bench_structured, cli_commands, envs)
+from deepinfer.core.devices import DeviceUnavailable  # noqa: E402
+from deepinfer.plugins.manager import PluginError  # noqa: E402
+
+
+# What a user can cause and fix (a missing directory, an unreachable hub, a bad argument, a plugin or device that is
+# not there): one line, exit 2. Anything else is a bug, and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, NotImplementedError,
+               DeviceUnavailable, PluginError)
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or envs.get().DEEPINFER_LOGGING_LEVEL == "DEBUG"
+    argv = [a for a in argv if a != "--debug"]  # accepted anywhere on the line
+    try:
+        _run(argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("deepinfer: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        print(f"deepinfer: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: offline inference for DeepSeek-V4 models")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also DEEPINFER_LOGGING_LEVEL=DEBUG); anywhere on the line")
     commands = parser.add_subparsers(dest="command", required=True)
     cli_commands.add_generate_arguments(commands.add_parser(
         "generate", help="complete prompts and print the outputs",

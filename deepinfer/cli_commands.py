@@ -45,7 +45,7 @@ def _prompts(args) -> list[str]:
         with stream:
             prompts += [line.rstrip("\n").replace("\\n", "\n") for line in stream if line.strip()]
     if not prompts:
-        raise SystemExit("deepinfer generate: give prompts as arguments or with --prompts-file")
+        raise ValueError("deepinfer generate: give prompts as arguments or with --prompts-file")
     return prompts
 
 

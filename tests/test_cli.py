@@ -45,8 +45,68 @@ def test_generate_prints_text_and_needs_prompts(capsys):
           "x = "])
     lines = _lines(capsys)
     assert lines[0].startswith("x = ") and lines.count("--- length, 3 tokens") == 2
-    with pytest.raises(SystemExit, match="give prompts"):
+    with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model", EMBEDDED])
+    assert exit_.value.code == 2 and "give prompts" in capsys.readouterr().err
+
+
+def _error_line(capsys, argv) -> str:
+    """What a user error prints: exit 2, one line on standard error, no traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()  # after the loading bar, where a model was loaded
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    assert last.startswith("deepinfer: error: ") and err.count("deepinfer: error: ") == 1
+    return last
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "--model", "/no/such/dir", "hi"], "/no/such/dir"),
+    (["generate", "--model", EMBEDDED, "--temperature", "-1", "hi"], "temperature"),
+    (["generate", "--model", EMBEDDED, "--max-model-len", "8", "a prompt far longer than eight tokens, surely"],
+     "max_model_len"),
+    (["generate", "--model", EMBEDDED, "--device", "tpu", "hi"], "tpu"),
+    (["bench", "latency", "--model", "/no/such/dir"], "/no/such/dir"),
+])
+def test_user_errors_are_one_line_and_exit_2(capsys, argv, says):
+    assert says in _error_line(capsys, argv)
+
+
+@pytest.mark.skipif(__import__("torch").version.cuda is not None, reason="a CPU build of torch")
+def test_cuda_on_a_cpu_build_of_torch_is_refused_before_loading(capsys, monkeypatch):
+    # our sentence, not torch's "Torch not compiled with CUDA enabled" from the first allocation on the device
+    assert "build without CUDA" in _error_line(capsys, ["generate", "--model", EMBEDDED, "--device", "cuda", "x"])
+    from deepinfer.core.devices import DeviceUnavailable
+
+    with pytest.raises(DeviceUnavailable, match="build without CUDA"):  # the API takes the same check
+        LLM(EMBEDDED, device="cuda:1")
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    envs.reload()
+    assert "DEEPINFER_ACCELERATOR=nvidia" in _error_line(capsys, ["generate", "--model", EMBEDDED, "x"])
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    with pytest.raises(FileNotFoundError):
+        main(["--debug", "generate", "--model", "/no/such/dir", "hi"])
+    with pytest.raises(FileNotFoundError):
+        main(["generate", "--model", "/no/such/dir", "hi", "--debug"])
+    monkeypatch.setenv("DEEPINFER_LOGGING_LEVEL", "DEBUG")
+    envs.reload()
+    with pytest.raises(FileNotFoundError):
+        main(["generate", "--model", "/no/such/dir", "hi"])
+
+
+def test_ctrl_c_ends_with_130_and_no_traceback(capsys, monkeypatch):
+    from deepinfer import cli_commands
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_commands, "run_generate", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi"])
+    assert exit_.value.code == 130 and capsys.readouterr().err.strip() == "deepinfer: interrupted"
 
 
 def test_env_lists_every_variable_with_where_its_value_comes_from(capsys, monkeypatch):

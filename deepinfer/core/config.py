@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from deepinfer.core.devices import resolve_device
+
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICES = ("auto", "cpu", "cuda", "npu")
 # auto: weights stay as the checkpoint stores them; none: FP8/MXFP4 weights are dequantized to `dtype` when loaded
@@ -102,10 +104,4 @@ class EngineConfig:
         return checkpoint_dtype if self.dtype == "auto" else _DTYPES[self.dtype]
 
     def torch_device(self, accelerator: str) -> torch.device:
-        if self.device != "auto":
-            return torch.device(self.device)
-        if accelerator in ("nvidia", "auto") and torch.cuda.is_available():
-            return torch.device("cuda")
-        if accelerator == "nvidia":
-            raise RuntimeError("DEEPINFER_ACCELERATOR=nvidia but torch sees no CUDA device")
-        return torch.device("cpu")
+        return resolve_device(self.device, accelerator)
