@@ -13,7 +13,10 @@ w1 and w3 share one launch: each block reads its activation tile once for both w
 ``swiglu(gate, up)`` (``deepinfer.core.ops``). w2 reads those rows in expert order and writes each result to its
 (token, slot) row, so the top-k sum is a plain reduction rather than a scatter.
 
-MXFP4: Hopper has no FP4 tensor cores, so each byte of two e2m1 codes is decoded by moving bits into two fp16
+MXFP4: layers whose shapes and scales allow it are repacked on first use and served by ``moe_mxfp4``'s swap-AB
+kernel (1.5x this file's at decode on an H200, BENCHMARKS.md); this file's byte-layout kernel serves the others (K
+not a multiple of 64, N not of 16, a scale above 2) and batch-invariant mode, whose tiles it pins. There, since
+Hopper has no FP4 tensor cores, each byte of two e2m1 codes is decoded by moving bits into two fp16
 values (the codes times 2^-14), the low nibbles being the even columns and the high ones the odd; on the GPU
 ``_e2m1_pairs`` does it for two values per 32-bit operation in inline PTX (seven integer ops per four values;
 Triton's interpreter runs ``_e2m1_scaled``'s int16 ops per value instead). The FP8-rounded activations come from

@@ -8,17 +8,21 @@ decode e2m1 codes as fast as HBM delivers them (about 30 values per SM clock on 
 - Both operands are exact in bf16, so one bf16 MMA chain over all of K gives the reference's products: an e2m1 code
   times its e8m0 scale is exact in bf16 (1 mantissa bit), and so is an activation the reference rounds to FP8 (an
   e4m3 value times a power of two; ``fp8_rounded``). No per-block rescaling of the accumulators.
-- The repacked layout (``repack``): in each 64-column chunk of a row, the 32-bit word ``w`` holds columns
-  ``4w..4w+3`` (group A, the chunk's first 32 columns) and ``32+4w..32+4w+3`` (group B), their bits placed so that
-  four registers of two bf16 values come out of the word with one AND each for three of them
-  (``q & 0x81C081C0``, ``(q << 3) & ...``, ``(q << 6) & ...``) and five ops for the fourth. Each value lands as
-  ``code x 2^-126`` (its sign at bit 15, its three exponent/mantissa bits at bf16's bits 8..6; code 1, 0.5, is
-  bf16's subnormal), and one ``mul.bf16x2`` by ``2^(e - 1)`` per pair applies the scale and the 2^126. That needs
-  e <= 128 (a scale of at most 2, weights of magnitude at most 12): ``repack`` refuses other layers, which keep
-  ``moe``'s kernel.
+- The repacked layout (``repack``): Triton feeds the decoded tile to wgmma as its register operand, and hands
+  ``inline_asm_elementwise`` four of its elements at a time, from two rows (r, r + 8) and two columns. Each such
+  group's values in a 64-column chunk (four of the chunk's first 32 columns, group A, and the same four of its last
+  32, group B) share one 32-bit word, their bits placed so that four registers of two bf16 values come out of it
+  with one AND each for three of them (``q & 0x81C081C0``, ``(q << 3) & ...``, ``(q << 6) & ...``) and five ops for
+  the fourth. Each value lands as ``code x 2^-126`` (its sign at bit 15, its three exponent/mantissa bits at bf16's
+  bits 8..6; code 1, 0.5, is bf16's subnormal), and one ``mul.bf16x2`` by ``2^(e - 1)`` per pair applies the scale
+  and the 2^126. That needs e <= 128 (a scale of at most 2, weights of magnitude at most 12): ``repackable``
+  refuses other layers, which keep ``moe``'s kernel. The words are laid out as 64-byte lines so that a thread's
+  16-byte copy holds four of them and ``ldmatrix`` brings them into the operand's registers with no byte moves.
 
-The repack permutes bits within each 64-column chunk of a row, so the bytes stay the same in number and place per
-(expert, row, chunk): expert parallelism's moves copy whole experts as before.
+The repack moves bits only within each 16-row block of an expert, keeping the bytes' number: expert parallelism's
+moves copy whole experts as before. Tensors carry a mark once repacked (``is_repacked``); the grouped GEMM's
+dequantizer reads either layout, and nothing else reads them (a torch reference run on the same tensors afterwards
+would read the repacked bytes: the tests copy them first).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
 CHUNK = 64  # columns per repacked chunk: 32 bytes, eight 32-bit words
 MAX_SCALE_EXPONENT = 128  # 2^(e - 1) must be a finite bf16
 
-# Bit position of each (sign, e1, e0, m) of the eight values of a word: A0..A3 are the chunk's columns 4w..4w+3,
-# B0..B3 columns 32+4w..32+4w+3. Registers: (A0, A1) = q & M, (A2, A3) = (q << 3) & M, (B0, B1) = (q << 6) & M with
+# Bit position of each (sign, e1, e0, m) of the eight values of a word: A0..A3 sit at the group's operand positions
+# (r, 2q), (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1) among the chunk's first 32 columns, B0..B3 at the same ones
+# among its last 32 (``repack``). Registers: (A0, A1) = q & M, (A2, A3) = (q << 3) & M, (B0, B1) = (q << 6) & M with
 # M = 0x81C081C0 (low half: bits 15, 8..6; high half: 31, 24..22), (B2, B3) from the sixteen bits left.
 WORD_BITS = {
     "A0": (15, 8, 7, 6), "A1": (31, 24, 23, 22), "A2": (12, 5, 4, 3), "A3": (28, 21, 20, 19),
