@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer import LLM, SamplingParams, envs
+from deepinfer.core.scheduled import ScheduledBatch
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):", "x = [",
@@ -76,7 +77,7 @@ def test_v41_engram_overlaps_with_the_same_outputs(monkeypatch, engine_args, tab
     waiting = _llm(V41_FIXTURE, monkeypatch, False, engine_args, "host")
     overlapped = _llm(V41_FIXTURE, monkeypatch, True, engine_args, tables)
     assert overlapped.engine.model.needs_host_tokens == (tables == "host")
-    assert overlapped.engine._needs_host_tokens([]) == (tables == "host")
+    assert overlapped.engine._needs_host_tokens(ScheduledBatch()) == (tables == "host")
     for params in _params(waiting):
         _assert_same(_outputs(overlapped, params), _outputs(waiting, params))
 

@@ -91,8 +91,8 @@ def test_decode_inputs_fast_path_equals_the_padded_generic_ones(which, tiny_v4_c
         llm._submit(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine = llm.engine
     prefill = engine.scheduler.schedule()
-    engine.scheduler.step_done(prefill)
-    for request, _, _ in prefill:
+    engine.scheduler.update(prefill)
+    for request in prefill.requests:
         request.token_ids.append(11)
     decode = engine.scheduler.schedule()
     builder = engine.batch_builder

@@ -22,6 +22,7 @@ from deepinfer.core.model_source import resolve_model_dir
 from deepinfer.core.output_processor import OutputProcessor, host_lists
 from deepinfer.core.overlapped_speculation import OverlappedSpeculation
 from deepinfer.core.request import Request
+from deepinfer.core.scheduled import ScheduledBatch
 from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.scheduler import Scheduler, SchedulerLimits
 from deepinfer.core.speculation import Speculator, accepted_count
@@ -33,7 +34,6 @@ from deepinfer.models.registry import model_config
 from deepinfer.parallel.context_parallel import ContextParallel
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.ranks import Ranks
-from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
 
 logger = init_logger(__name__)
@@ -301,7 +301,7 @@ class LLMEngine:
         self._clock.lap("schedule")
         return self._run(scheduled)
 
-    def _run(self, scheduled) -> list[Request]:
+    def _run(self, scheduled: ScheduledBatch) -> list[Request]:
         clock = self._clock
         if not scheduled:
             if self.expert_parallel is not None:  # every rank runs every step's exchanges
@@ -313,7 +313,7 @@ class LLMEngine:
         finished = []
         self.step_metrics.steps += 1
         self.totals.steps += 1
-        sampling_requests = [r for r, start, n in scheduled if start + n == len(r.token_ids)]
+        sampling_requests = scheduled.sampling
         started = None
 
         def launch(token_ids):  # the inputs are where the forward pass reads them: complete them, time from here
@@ -348,16 +348,16 @@ class LLMEngine:
             clock.lap("sample")
         if self._inflight is not None:  # the previous step's tokens, while the device runs this one
             finished += self._resolve()
-        self.scheduler.step_done([s for s in scheduled if not s[0].finished])
+        self.scheduler.update(scheduled)
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             finished += self._resolve()
         return finished
 
-    def _verify(self, scheduled, sampling_requests: list[Request], logits) -> list[Request]:
+    def _verify(self, scheduled: ScheduledBatch, sampling_requests: list[Request], logits) -> list[Request]:
         """Speculative decoding's step end (``core/speculation.py``): samples every verified row, keeps each
         request's accepted drafts and the token after them, books them, then drafts for the next step."""
-        finished, rejected = [], {}  # rejected: positions computed for drafts that were not kept
+        finished, accepted = [], {}
         if sampling_requests:
             rows = self.speculator.rows(sampling_requests)
             apply_grammar_masks(logits, rows)
@@ -367,21 +367,16 @@ class LLMEngine:
             now, first = time.monotonic(), 0
             for request in sampling_requests:
                 drafted = request.num_drafts
-                accepted = accepted_count(request.draft_token_ids, sampled["token_ids"][first:first + drafted + 1])
+                count = accepted_count(request.draft_token_ids, sampled["token_ids"][first:first + drafted + 1])
                 if drafted:
-                    self.speculator.stats.record(request, drafted, accepted)
+                    self.speculator.stats.record(request, drafted, count)
                 request.drop_drafts()
-                rejected[id(request)] = drafted - accepted
-                if self.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
+                accepted[request] = count
+                if self.outputs.extend(request, list(range(first, first + count + 1)), sampled, now):
                     finished.append(request)
                 first += drafted + 1
-        kept, row, done = [], 0, {id(r) for r in finished}
-        for request, start, n in scheduled:
-            if not request.finished and id(request) not in done:
-                kept.append(ComputedRows(request, row, start, n - rejected.get(id(request), 0)))
-            row += n
-        self.scheduler.step_done([(k.request, k.position, k.count) for k in kept])
-        self._finish(finished)
+        kept = self.scheduler.update(scheduled, accepted, finished)
+        self._count_finished(finished)
         self._clock.lap("outputs")
         self.speculator.draft(self.scheduler.running, kept)
         self._clock.lap("draft")
@@ -399,13 +394,13 @@ class LLMEngine:
             self._structured = found[0]
         return self._structured
 
-    def _needs_host_tokens(self, scheduled) -> bool:
+    def _needs_host_tokens(self, scheduled: ScheduledBatch) -> bool:
         """Whether this step's inputs need the previous step's token values on the host: Engram's hashes do when
         its tables are gathered on the host, and so do repetition/frequency/presence penalties, which count them."""
         if self.model.needs_host_tokens:
             return True
         return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                   for p in (r.params for r, _, _ in scheduled))
+                   for p in (r.params for r in scheduled.requests))
 
     def _resolve(self) -> list[Request]:
         inflight, self._inflight = self._inflight, None
@@ -418,6 +413,10 @@ class LLMEngine:
     def _finish(self, requests: list[Request]) -> None:
         for request in requests:
             self.scheduler.finish(request)
+        self._count_finished(requests)
+
+    def _count_finished(self, requests: list[Request]) -> None:
+        for request in requests:
             self.totals.finished_requests += 1
             self.totals.generation_tokens += request.num_output_tokens
             self.totals.cached_prompt_tokens += request.metrics.num_cached_tokens

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from deepinfer.core.scheduled import ScheduledBatch
 from deepinfer.core.slots import SlotLayout, padded_slots, slot_of, window_positions
 from deepinfer.core.transfer import to_device
 
@@ -184,10 +185,10 @@ class PaddedShape:
         )
 
 
-def real_rows(scheduled, tokens_per_request: int) -> torch.Tensor:
+def real_rows(scheduled: ScheduledBatch, tokens_per_request: int) -> torch.Tensor:
     """Rows of a padded step's tokens that are the scheduled ones, in their order: request i's n tokens come
     first in its ``tokens_per_request`` rows."""
-    return torch.tensor([i * tokens_per_request + j for i, (_, _, n) in enumerate(scheduled) for j in range(n)],
+    return torch.tensor([i * tokens_per_request + j for i, row in enumerate(scheduled) for j in range(row.count)],
                         dtype=torch.int64)
 
 
@@ -217,8 +218,8 @@ def _int64(values: list[int]) -> torch.Tensor:
 
 
 class ForwardBatchBuilder:
-    """Turns the scheduled (request, first position, token count) triples into ``StepInputs`` on the host, and
-    those into slot tensors (``derive``) wherever they are."""
+    """Turns a ``ScheduledBatch`` into ``StepInputs`` on the host, and those into slot tensors (``derive``)
+    wherever they are."""
 
     def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device,
                  token_history: int = 0, host_inputs=None, slot_backend=None):
@@ -231,26 +232,26 @@ class ForwardBatchBuilder:
         # an ``AttentionBackend``: it derives padded steps' slots (``padded_slots``); None: the torch reference
         self.slot_backend = slot_backend
 
-    def build(self, scheduled: list[tuple[object, int, int]]) -> ForwardBatch:
+    def build(self, scheduled: ScheduledBatch) -> ForwardBatch:
         inputs = self.inputs(scheduled)
         return self.derive(inputs if self.device is None else inputs.to(self.device))
 
     # -- host side ----------------------------------------------------------------------------
-    def inputs(self, scheduled: list[tuple[object, int, int]], padded: PaddedShape | None = None,
+    def inputs(self, scheduled: ScheduledBatch, padded: PaddedShape | None = None,
                values_on_device: bool = False) -> StepInputs:
         """``values_on_device``: a padded step whose token ids and token history the device writes before it runs
         (overlapped speculative decoding: the host does not have them yet); they are sent as zeros."""
-        if padded is not None and all(n <= padded.tokens_per_request for _, _, n in scheduled):
+        if padded is not None and all(row.count <= padded.tokens_per_request for row in scheduled):
             return self._padded_decode_inputs(scheduled, padded, values_on_device)
-        requests = [r for r, _, _ in scheduled]
-        positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
-        owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
-        token_ids = torch.tensor([t for r, start, n in scheduled for t in r.token_ids[start : start + n]])
+        requests = scheduled.requests
+        positions = torch.cat([torch.arange(row.start, row.end) for row in scheduled])
+        owner = torch.cat([torch.full((row.count,), i) for i, row in enumerate(scheduled)])
+        token_ids = torch.tensor([t for row in scheduled for t in row.request.token_ids[row.start:row.end]])
         logits_rows, end = [], 0
-        for r, start, n in scheduled:  # a request's last token, and each draft (speculative decoding) to verify
-            end += n
-            if start + n == len(r.token_ids):
-                logits_rows.extend(range(end - 1 - min(r.num_drafts, n - 1), end))
+        for row in scheduled:  # a request's last token, and each draft (speculative decoding) to verify
+            end += row.count
+            if row.samples:
+                logits_rows.extend(range(end - 1 - row.drafts, end))
         replay_rows, replay_floor = self._replay(scheduled)
         ends = positions + 1
         # a padded batch has fixed candidate widths and closes a row per token: only unpadded ones need these
@@ -273,14 +274,16 @@ class ForwardBatchBuilder:
     def _replay(self, scheduled) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decoder layers' rows and window floors, when some request's replay start hides a row or a row's
         window from them; (None, None) otherwise (every decode step: its window lies past the replay start)."""
-        if all(not r.replay_start or start - self.layout.window + 1 >= r.replay_start for r, start, _ in scheduled):
+        if all(not row.request.replay_start or row.start - self.layout.window + 1 >= row.request.replay_start
+               for row in scheduled):
             return None, None
         rows, floors, first = [], [], 0
-        for r, start, n in scheduled:
-            kept = min(max(start, r.replay_start), start + n)
-            rows.append(torch.arange(first + kept - start, first + n))
-            floors.append(torch.full((start + n - kept,), r.replay_start))
-            first += n
+        for row in scheduled:
+            replay_start = row.request.replay_start
+            kept = min(max(row.start, replay_start), row.end)
+            rows.append(torch.arange(first + kept - row.start, first + row.count))
+            floors.append(torch.full((row.end - kept,), replay_start))
+            first += row.count
         return torch.cat(rows), torch.cat(floors)
 
     def _padded_decode_inputs(self, scheduled, padded: PaddedShape, values_on_device: bool) -> StepInputs:
@@ -291,17 +294,17 @@ class ForwardBatchBuilder:
         q, blocks = padded.tokens_per_request, padded.blocks
         requests = padded.num_tokens // q
         token_ids, positions = [], []
-        for r, start, n in scheduled:
-            token_ids += [0] * q if values_on_device else r.token_ids[start:start + n] + [0] * (q - n)
-            positions += range(start, start + q)
+        for row in scheduled:
+            token_ids += [0] * q if values_on_device else row.request.token_ids[row.start:row.end] + [0] * (q - row.count)
+            positions += range(row.start, row.start + q)
         pad = [0] * (padded.num_tokens - len(token_ids))
         tables = {}
         for kind in self.layout.rows_per_block:
             flat = []
-            for r, _, _ in scheduled:
-                row = r.tables.get(kind, ())[:blocks]
-                flat += row
-                flat += [-1] * (blocks - len(row))
+            for r in scheduled.requests:
+                table = r.tables.get(kind, ())[:blocks]
+                flat += table
+                flat += [-1] * (blocks - len(table))
             flat += [-1] * (blocks * (requests - len(scheduled)))
             tables[kind] = _int64(flat).view(requests, blocks)
         extras = {}
@@ -310,7 +313,7 @@ class ForwardBatchBuilder:
                                     torch.zeros(len(token_ids), self.token_history, dtype=torch.int64))
             extras = {name: _pad_rows(t, padded.num_tokens, 0) for name, t in real.items()}
         elif self.token_history:  # computed for the real tokens; padded rows are ignored (zeros)
-            real = self.host_inputs(_int64([t for r, s, n in scheduled for t in r.token_ids[s:s + n]]),
+            real = self.host_inputs(_int64([t for row in scheduled for t in row.request.token_ids[row.start:row.end]]),
                                     self._history(scheduled))
             if q == 1:  # the real rows come first
                 extras = {name: _pad_rows(t, padded.num_tokens, 0) for name, t in real.items()}
@@ -335,14 +338,14 @@ class ForwardBatchBuilder:
         # one tensor from padded lists: per-request tensors cost more host time than the rest of the step
         return torch.tensor([[*blocks, *(-1,) * (width - len(blocks))] for blocks in rows], dtype=torch.int64)
 
-    def _history(self, scheduled) -> torch.Tensor:
+    def _history(self, scheduled: ScheduledBatch) -> torch.Tensor:
         """[T, h]: the ``h`` ids before each scheduled token, -1 before its sequence's start; one tensor from
         lists (a tensor per request cost a decode step at batch 64 more than the rest of its inputs)."""
         h = self.token_history
         flat = []
-        for request, start, n in scheduled:
-            ids = request.token_ids
-            for p in range(start, start + n):
+        for row in scheduled:
+            ids = row.request.token_ids
+            for p in range(row.start, row.end):
                 flat += ids[p - h:p] if p >= h else [-1] * (h - p) + ids[:p]
         return _int64(flat).view(-1, h)
 

@@ -38,6 +38,7 @@ import torch
 from deepinfer.core.cuda_graphs import StepTail
 from deepinfer.core.output_processor import host_lists
 from deepinfer.core.request import Request
+from deepinfer.core.scheduled import ScheduledBatch
 from deepinfer.core.sampling_batch import SamplingFlags, device_sampling_batch, sample_seed
 from deepinfer.core.speculation import accepted_on_device, survival_floor, verified_lengths_on_device
 from deepinfer.core.transfer import to_device, to_host
@@ -86,7 +87,7 @@ class _Outcome:
 
 @dataclass(slots=True)
 class SpeculativeInFlight:
-    requests: list[Request]
+    batch: ScheduledBatch
     positions: torch.Tensor  # [B] on the device: each request's first position in the step
     history: torch.Tensor | None  # [B, h + rows] token ids from ``h`` positions before the first row (Engram)
     outcome: _Outcome  # on the device (a CUDA graph's output: read before the graph's next replay rewrites it)
@@ -99,6 +100,10 @@ class SpeculativeInFlight:
         clock.wait(self.started, self.ready)
         self.ready = None
         return self.host.tolist(), self.logprobs
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.batch.requests
 
 
 class OverlappedSpeculation:
@@ -135,39 +140,25 @@ class OverlappedSpeculation:
         return (request.grammar is None and not (p.presence_penalty or p.frequency_penalty)
                 and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
 
-    def _can_launch(self, scheduled) -> bool:
+    def _can_launch(self, scheduled: ScheduledBatch) -> bool:
         """The first step of a steady run: a verification step of decoding requests only, from the host's drafts."""
         graphs = self.engine.graphs
         return (graphs is not None and graphs.fits(scheduled) and not self.engine.model.needs_host_tokens
-                and all(self._device_ready(r) for r, _, _ in scheduled))
+                and all(self._device_ready(r) for r in scheduled.requests))
 
-    def _schedule_after(self, previous: SpeculativeInFlight) -> list[tuple[Request, int, int]] | None:
-        """The next step of a steady run, at each request's latest possible start (every draft accepted), with
-        blocks for it; None where the host must first see ``previous``'s result."""
-        e, rows = self.engine, self.rows
+    def _schedule_after(self, previous: SpeculativeInFlight) -> ScheduledBatch | None:
+        """The next step of a steady run (``Scheduler.schedule_ahead``); None where the host must first see
+        ``previous``'s result."""
         requests = [r for r in previous.requests if not r.finished]
-        scheduler = e.scheduler
-        if (not requests or len(requests) != len(scheduler.running) or len(requests) > e.graphs.sizes[-1]
-                or (scheduler.waiting and len(scheduler.running) < scheduler.limits.max_num_seqs)):
+        if len(requests) > self.engine.graphs.sizes[-1] or not all(self._device_ready(r) for r in requests):
             return None
-        for r in requests:
-            # ``r`` is booked up to ``previous``'s start, and ``previous`` emits at least one token: is one left?
-            left = min(r.params.max_tokens - r.num_output_tokens, e.max_model_len - r.num_computed - 1)
-            if left < 2 or not self._device_ready(r):
-                return None
-        scheduled = []
-        for r in requests:
-            start = r.num_computed + rows
-            if not e.blocks.reserve(r.tables, r.num_computed, start + rows):
-                return None
-            scheduled.append((r, start, rows))
-        return scheduled
+        return self.engine.scheduler.schedule_ahead(requests, self.rows)
 
     # -- the device's side ------------------------------------------------------------------------
-    def _launch(self, scheduled, previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
+    def _launch(self, scheduled: ScheduledBatch, previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
         e, rows, clock = self.engine, self.rows, self.engine._clock
         device, count = e.device, len(scheduled)
-        requests = [r for r, _, _ in scheduled]
+        requests = scheduled.requests
         e.step_metrics.steps += 1
         e.totals.steps += 1
         self.launches["following" if previous is not None else "first"] += 1
@@ -178,7 +169,7 @@ class OverlappedSpeculation:
             positions = previous.positions[source] + accepted + 1
         else:
             source = None
-            positions = to_device(torch.tensor([start for _, start, _ in scheduled], dtype=torch.int64), device)
+            positions = to_device(torch.tensor([row.start for row in scheduled], dtype=torch.int64), device)
         flags = SamplingFlags.of([r.params for r in requests], e.model_config.vocab_size)
         tail = StepTail(lambda logits, inputs: self._tail(logits, inputs, flags),
                         self._tail_inputs(requests, previous is None), ("verification", flags))
@@ -200,7 +191,7 @@ class OverlappedSpeculation:
         outcome = _Outcome(packed[:count], rows)
         logprobs = SamplerOutput(None, *(None if t is None else to_host(t[:count * rows]) for t in logprobs))
         clock.lap("forward")
-        return SpeculativeInFlight(requests, positions, step["history"], outcome, to_host(outcome.packed),
+        return SpeculativeInFlight(scheduled, positions, step["history"], outcome, to_host(outcome.packed),
                                    logprobs, step["started"], clock.event())
 
     def _tail_inputs(self, requests: list[Request], first: bool) -> dict[str, torch.Tensor]:
@@ -281,21 +272,20 @@ class OverlappedSpeculation:
         rows = [_Outcome.unpack(row, self.rows) for row in packed]
         sampled = host_lists(logprobs)
         sampled["token_ids"] = [token for row in rows for token in row[0]]
-        now, finished, computed = time.monotonic(), [], []
+        now, finished, kept = time.monotonic(), [], {}
         for i, (request, (_, drafts, accepted, verified, length)) in enumerate(zip(inflight.requests, rows)):
             if request.finished:  # found finished by the step before, while this one was in flight
                 continue
             if verified:
                 self.speculator.stats.record(request, verified, accepted)
-            start = request.num_computed
             request.drop_drafts()
             first = i * self.rows
+            kept[request] = accepted
             if e.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
                 finished.append(request)
                 continue
-            computed.append((request, start, accepted + 1))
             request.set_drafts(drafts[:length])
-        e.scheduler.step_done(computed)
-        e._finish(finished)
+        e.scheduler.update(inflight.batch, kept, finished)
+        e._count_finished(finished)
         e._clock.lap("outputs")
         return finished
