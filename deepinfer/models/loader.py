@@ -10,6 +10,7 @@ from torch import nn
 
 from deepinfer.core.linear import fuse_shared_inputs, materialize, quantizable_weights
 from deepinfer.core.weights import dummy_layout, fill_dummy, plan_load, stream_into
+from deepinfer.models.deepseek_v4.weight_names import naming
 from deepinfer.models.registry import checkpoint_naming, model_class
 from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBackend, MoEBackend
 
@@ -43,7 +44,7 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
         extras = {name: torch.empty(expected[name][0], dtype=expected[name][1]) for name in mapped}
         fill_dummy({**tensors, **extras}, seed, model_config.n_routed_experts)
     else:
-        plan = plan_load(model_dir, expected, canonical=checkpoint_naming(model_config), quantizable=quantizable,
+        plan = plan_load(model_dir, expected, naming=checkpoint_naming(model_config), quantizable=quantizable,
                          block=block, memory_mapped=model.memory_mapped, held_experts=held)
         tensors = materialize(model, plan.layout, model.checkpoint_name, device, linear, block[1])
         extras = stream_into(plan, tensors)
@@ -84,6 +85,6 @@ def load_part(module: nn.Module, model_config, model_dir: Path, checkpoint_name,
     expected = {checkpoint_name(k): (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
     quantizable = quantizable_weights(module, checkpoint_name) if quantization == "auto" else set()
     block = model_config.weight_block_size
-    plan = plan_load(model_dir, expected, canonical=canonical, quantizable=quantizable, block=block)
+    plan = plan_load(model_dir, expected, naming=naming(canonical), quantizable=quantizable, block=block)
     stream_into(plan, materialize(module, plan.layout, checkpoint_name, device, linear, block[1]))
     fuse_shared_inputs(module)

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 import pluggy
 
-import deepinfer
 from deepinfer import envs
 from deepinfer.logger import init_logger, log_once
 from deepinfer.plugins import hookspecs
+from deepinfer.version import __version__
 
 ENTRY_POINT_GROUP = "deepinfer.plugins"
 
@@ -233,7 +233,7 @@ def list_plugins() -> list[dict[str, object]]:
         dist = next((dist for registered_plugin, dist in distributions if registered_plugin is plugin), None)
         rows.append({
             "name": name,
-            "version": dist.version if dist is not None else deepinfer.__version__,
+            "version": dist.version if dist is not None else __version__,
             "hooks": sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()),
         })
     return rows
