@@ -17,7 +17,6 @@ import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.core import speculation
-from deepinfer.core.cuda_graphs import DecodeGraphs
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
 from test_speculative_decoding import GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, _assert_same, _reference, _run
@@ -61,10 +60,8 @@ def _overlapped(checkpoint, prompts, params, drafter, max_num_seqs=8, **engine_a
     outputs, the engine, and how many steps were launched first of a run and following another."""
     engine_args.setdefault("dtype", "float32")
     with registered(DrafterPlugin(drafter), "oracle-drafts"):
-        llm = LLM(str(checkpoint), max_num_seqs=max_num_seqs, **engine_args)
+        llm = LLM(str(checkpoint), max_num_seqs=max_num_seqs, cuda_graphs="padded-eager", **engine_args)
     engine = llm.engine
-    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, max_num_seqs,
-                                 engine.max_model_len, capture=False, tokens_per_request=1 + engine.speculator.max_drafts)
     return llm.generate(prompts, params, use_tqdm=False), engine, engine.overlap.launches
 
 
@@ -203,11 +200,8 @@ def test_mtp_drafts_on_the_device_as_on_the_host(tmp_path_factory, monkeypatch):
     runs = []
     for overlapped in (False, True):
         with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
-            llm = LLM(str(checkpoint), dtype="float32")
+            llm = LLM(str(checkpoint), dtype="float32", **({"cuda_graphs": "padded-eager"} if overlapped else {}))
         engine, drafter, proposed = llm.engine, llm.engine.speculator.drafter, {}
-        if overlapped:
-            engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
-                                         capture=False, tokens_per_request=4)
         host, device = drafter.propose, drafter.propose_on_device
 
         def on_host(requests, computed, host=host, proposed=proposed):

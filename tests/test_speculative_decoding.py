@@ -195,7 +195,7 @@ def test_a_host_only_drafter_verifies_before_the_next_step_whatever_the_overlap_
     envs.reload()
     outputs, llm = _run(tiny_v4_checkpoint, PROMPTS, GREEDY, OracleDrafter(_reference(greedy_v4), wrong_at=1))
     _assert_same(outputs, greedy_v4)
-    assert not llm.engine.async_scheduling and llm.engine._inflight is None and llm.engine.overlap is None
+    assert not llm.engine.async_scheduling and not llm.engine.steps.in_flight and llm.engine.overlap is None
     assert ("drafter oracle drafts only from the host's tokens" in caplog.text) == (asynchronous == "1")
 
 
@@ -311,18 +311,15 @@ def test_verification_steps_padded_for_cuda_graphs_match(which, tiny_v4_checkpoi
     """Verification steps replay CUDA graphs too: each request's last token and drafts padded to 1 + max drafts
     rows (positions after its own, rewritten later like rejected drafts). On a CPU the padded steps run eagerly
     (``capture=False``) and must give the tokens and logprobs of decoding without drafts."""
-    from deepinfer.core.cuda_graphs import DecodeGraphs
-
     model, args = {"v4": (tiny_v4_checkpoint, {}), "v4.1": (V41_FIXTURE, {"quantization": "none"})}[which]
     prompts = [[5, 9, 13], list(range(3, 40)), [7] * 18]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
     expected, _ = _run(model, prompts, params, **args)
     with registered(DrafterPlugin(OracleDrafter(_reference(expected), wrong_at=2, skip=[tuple(prompts[2])])),
                     "oracle-drafts"):
-        llm = LLM(str(model), dtype="float32", **args)
+        llm = LLM(str(model), dtype="float32", cuda_graphs="padded-eager", **args)
     engine = llm.engine
-    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
-                                 capture=False, tokens_per_request=6)
+    assert engine.graphs.tokens_per_request == 6
     padded_steps = []
     logits = engine.graphs.logits
     engine.graphs.logits = lambda scheduled, **kw: padded_steps.append(len(scheduled)) or logits(scheduled, **kw)

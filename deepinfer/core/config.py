@@ -14,6 +14,9 @@ _QUANTIZATION = ("auto", "none")
 _LOAD_FORMATS = ("auto", "dummy")
 # auto: attention KV rows in the model's dtype; fp8: DeepSeek-V4's FP8 layout (deepinfer.core.fp8_kv), 584 bytes a row
 _KV_CACHE_DTYPES = ("auto", "fp8")
+# auto: decode steps replay captured CUDA graphs on CUDA (unless enforce_eager); padded-eager: on any device they are
+# padded as a graph replays them but run eagerly, which is how CPU tests run the graph paths' code
+_CUDA_GRAPHS = ("auto", "padded-eager")
 
 
 @dataclass(slots=True)
@@ -34,6 +37,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 4.0
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    cuda_graphs: str = "auto"
     seed: int = 0
     # parallelism (deepinfer.parallel): ranks = data_parallel_size; experts sharded over them when
     # enable_expert_parallel, placed by measured load when enable_eplb
@@ -53,6 +57,12 @@ class EngineConfig:
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES} (fp8: DeepSeek-V4's 584-byte FP8 "
                              f"attention rows), got {self.kv_cache_dtype!r}")
+        if self.cuda_graphs not in _CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs must be one of {_CUDA_GRAPHS} (padded-eager: decode steps padded as CUDA "
+                             f"graphs replay them, run eagerly), got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "padded-eager" and self.context_parallel_size > 1:
+            raise ValueError("cuda_graphs='padded-eager' pads steps as graphs do, and context parallelism splits a "
+                             "step by its requests, which a padded step does not: use one or the other")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.device not in _DEVICES and not str(self.device).startswith(("cuda:", "npu:")):

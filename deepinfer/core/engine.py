@@ -15,18 +15,16 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.cuda_graphs import DecodeGraphs
 from deepinfer.core.feature_flags import check_feature_plugins
 from deepinfer.core.forward_batch import ForwardBatchBuilder
-from deepinfer.core.grammar_masks import apply_grammar_masks
-from deepinfer.core.inflight import InFlight
 from deepinfer.core.kv_cache import KVCache, bytes_per_block
 from deepinfer.core.model_source import resolve_model_dir
-from deepinfer.core.output_processor import OutputProcessor, host_lists
+from deepinfer.core.model_runner import ModelRunner
+from deepinfer.core.output_processor import OutputProcessor
 from deepinfer.core.overlapped_speculation import OverlappedSpeculation
 from deepinfer.core.request import Request
-from deepinfer.core.scheduled import ScheduledBatch
-from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.scheduler import Scheduler, SchedulerLimits
-from deepinfer.core.speculation import Speculator, accepted_count
+from deepinfer.core.speculation import Speculator
 from deepinfer.core.step_metrics import EngineTotals, StepClock, StepMetrics
+from deepinfer.core.steps import DecodeSteps, SpeculativeSteps, StepContext, StepMode
 from deepinfer.core.tokenizer import load_tokenizer
 from deepinfer.logger import init_logger
 from deepinfer.models.loader import load_model
@@ -118,13 +116,23 @@ class LLMEngine:
         self.step_metrics = StepMetrics()
         self.totals = EngineTotals()
         self._clock = StepClock(self.step_metrics, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.batch_builder, self.sampler,
+                                  self.model_config.vocab_size, self.device, self._clock, self.graphs, self.context,
+                                  self.expert_parallel)
+        context = StepContext(self.scheduler, self.runner, self.outputs, self._clock, self.step_metrics, self.totals)
         self.async_scheduling = env.DEEPINFER_ASYNC_SCHEDULING and self.speculator is None
-        self.overlap = self._overlapped_speculation(env.DEEPINFER_ASYNC_SCHEDULING)
-        self._inflight: InFlight | None = None
+        self.overlap: OverlappedSpeculation | None = None
+        if self.speculator is None:
+            self.steps: StepMode = DecodeSteps(context, self.async_scheduling)
+        else:
+            verification = SpeculativeSteps(context, self.speculator)
+            self.overlap = self._overlapped_speculation(context, verification, env.DEEPINFER_ASYNC_SCHEDULING)
+            self.steps = self.overlap or verification
         self._structured = None  # the structured-outputs plugin, once a request asks for it
 
-    def _overlapped_speculation(self, asynchronous: bool) -> OverlappedSpeculation | None:
-        if self.speculator is None or not asynchronous:
+    def _overlapped_speculation(self, context: StepContext, verification: SpeculativeSteps,
+                                asynchronous: bool) -> OverlappedSpeculation | None:
+        if not asynchronous:
             return None
         drafter = self.speculator.drafter
         if not (hasattr(drafter, "propose_on_device") and hasattr(drafter, "device_slots")):
@@ -140,7 +148,7 @@ class LLMEngine:
                         "CUDA graphs, not here")
         else:
             logger.info("speculative steps overlap the host in steady decoding (core/overlapped_speculation.py)")
-        return OverlappedSpeculation(self)
+        return OverlappedSpeculation(context, verification, self.max_model_len)
 
     def _collect_step_contexts(self) -> list:
         contexts = call_all("deepinfer_step_context", config=self.config, device=self.device)
@@ -231,11 +239,16 @@ class LLMEngine:
                                                  self.model.token_history, self.model.host_inputs, self.attention)
         logger.info("cache: %d tokens of full-context state, block size %d, %.1f MiB", tokens, block_size, self.cache.nbytes() / 2**20)
         self.graphs = None
-        if self.device.type == "cuda" and not c.enforce_eager and self.graph_blockers:
+        # with drafts, a request's step holds its last token and up to max_drafts drafts
+        rows = 1 + (self.speculator.max_drafts if self.speculator is not None else 0)
+        if c.cuda_graphs == "padded-eager":  # nothing is captured, so nothing that blocks a capture applies
+            self.graphs = DecodeGraphs(self.model, self.cache, self.batch_builder, c.max_num_seqs, self.max_model_len,
+                                       capture=False, tokens_per_request=rows)
+            logger.info("decode steps of up to %d requests are padded as CUDA graphs replay them, and run eagerly "
+                        "(cuda_graphs='padded-eager')", self.graphs.sizes[-1])
+        elif self.device.type == "cuda" and not c.enforce_eager and self.graph_blockers:
             logger.warning("CUDA graphs off: %s", "; ".join(self.graph_blockers))
         elif self.device.type == "cuda" and not c.enforce_eager:
-            # with drafts, a request's step holds its last token and up to max_drafts drafts
-            rows = 1 + (self.speculator.max_drafts if self.speculator is not None else 0)
             self.graphs = DecodeGraphs(self.model, self.cache, self.batch_builder, c.max_num_seqs, self.max_model_len,
                                        tokens_per_request=rows)
             logger.info("decode steps of up to %d requests replay CUDA graphs (enforce_eager=True turns them off)",
@@ -272,19 +285,14 @@ class LLMEngine:
         self.totals.prompt_tokens += len(request.prompt_token_ids)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or self._inflight is not None
-                or (self.overlap is not None and self.overlap.inflight is not None))
+        return self.scheduler.has_work() or self.steps.in_flight
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Schedule and launch one forward pass; returns the requests found finished in this call.
 
-        Runs inside every context a plugin gave ``deepinfer_step_context`` (op overrides).
-
-        With asynchronous scheduling the host resolves the previous step's tokens (detokenizing, stop checks) while
-        the device runs this one, whose inputs take those tokens on the device (``core/inflight.py``), or on the
-        host first when a model or a sampling penalty needs their values; otherwise it waits for this step's
-        tokens before returning."""
+        Runs inside every context a plugin gave ``deepinfer_step_context`` (op overrides). How the step runs
+        (waiting for its tokens or not, with drafts or not) is the step mode's (``core/steps.py``)."""
         with contextlib.ExitStack() as stack:
             for context in self._step_contexts:
                 stack.enter_context(context)
@@ -295,92 +303,7 @@ class LLMEngine:
 
     def _step(self) -> list[Request]:
         self._clock.start()
-        if self.overlap is not None:
-            return self.overlap.step()
-        scheduled = self.scheduler.schedule()
-        self._clock.lap("schedule")
-        return self._run(scheduled)
-
-    def _run(self, scheduled: ScheduledBatch) -> list[Request]:
-        clock = self._clock
-        if not scheduled:
-            if self.expert_parallel is not None:  # every rank runs every step's exchanges
-                self.expert_parallel.idle_step(self.model.dtype)
-            return self._resolve() if self._inflight is not None else []
-        tokens_on_host = self._inflight is not None and self._needs_host_tokens(scheduled)
-        if tokens_on_host:  # only the values: the outputs (detokenizing, stop checks) still overlap this step
-            self._inflight.write_tokens(clock)
-        finished = []
-        self.step_metrics.steps += 1
-        self.totals.steps += 1
-        sampling_requests = scheduled.sampling
-        started = None
-
-        def launch(token_ids):  # the inputs are where the forward pass reads them: complete them, time from here
-            nonlocal started
-            clock.lap("prepare")
-            if self._inflight is not None and not tokens_on_host:
-                self._inflight.fill(scheduled, token_ids)
-            started = clock.event()
-
-        if self.graphs is not None and self.graphs.fits(scheduled):
-            logits = self.graphs.logits(scheduled, before_launch=lambda inputs: launch(inputs.token_ids))
-        else:
-            batch = self.batch_builder.build(scheduled)
-            if self.context is not None:
-                batch.context = self.context.share(scheduled)
-            launch(batch.token_ids)
-            streams = self.model(batch, self.cache)
-            logits = self.model.compute_logits(streams[batch.logits_rows]) if sampling_requests else None
-        clock.lap("forward")
-        if self.speculator is not None:
-            return self._verify(scheduled, sampling_requests, logits)
-        launched = None
-        if sampling_requests:
-            rows = [(r, 0) for r in sampling_requests]
-            if self._inflight is not None and any(r.grammar is not None for r in sampling_requests):
-                # a grammar's mask needs the previous token accepted: the previous step is resolved now, while
-                # the device runs this step's forward pass (a request it finishes has a row here, discarded later)
-                finished += self._resolve()
-            apply_grammar_masks(logits, rows)
-            sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
-            launched = InFlight.launch(sampling_requests, self.sampler.sample(logits, sampling), started, clock)
-            clock.lap("sample")
-        if self._inflight is not None:  # the previous step's tokens, while the device runs this one
-            finished += self._resolve()
-        self.scheduler.update(scheduled)
-        self._inflight = launched
-        if launched is not None and not self.async_scheduling:
-            finished += self._resolve()
-        return finished
-
-    def _verify(self, scheduled: ScheduledBatch, sampling_requests: list[Request], logits) -> list[Request]:
-        """Speculative decoding's step end (``core/speculation.py``): samples every verified row, keeps each
-        request's accepted drafts and the token after them, books them, then drafts for the next step."""
-        finished, accepted = [], {}
-        if sampling_requests:
-            rows = self.speculator.rows(sampling_requests)
-            apply_grammar_masks(logits, rows)
-            sampling = build_sampling_batch(rows, self.model_config.vocab_size, self.device)
-            sampled = host_lists(self.sampler.sample(logits, sampling))
-            self._clock.lap("sample")
-            now, first = time.monotonic(), 0
-            for request in sampling_requests:
-                drafted = request.num_drafts
-                count = accepted_count(request.draft_token_ids, sampled["token_ids"][first:first + drafted + 1])
-                if drafted:
-                    self.speculator.stats.record(request, drafted, count)
-                request.drop_drafts()
-                accepted[request] = count
-                if self.outputs.extend(request, list(range(first, first + count + 1)), sampled, now):
-                    finished.append(request)
-                first += drafted + 1
-        kept = self.scheduler.update(scheduled, accepted, finished)
-        self._count_finished(finished)
-        self._clock.lap("outputs")
-        self.speculator.draft(self.scheduler.running, kept)
-        self._clock.lap("draft")
-        return finished
+        return self.steps.step()
 
     def structured_outputs(self):
         """The structured-outputs plugin's ``LogitsProcessor``, loaded on first use (it reads the tokenizer's
@@ -393,33 +316,6 @@ class LLMEngine:
                                  "(distribution deepinfer-structured-outputs)")
             self._structured = found[0]
         return self._structured
-
-    def _needs_host_tokens(self, scheduled: ScheduledBatch) -> bool:
-        """Whether this step's inputs need the previous step's token values on the host: Engram's hashes do when
-        its tables are gathered on the host, and so do repetition/frequency/presence penalties, which count them."""
-        if self.model.needs_host_tokens:
-            return True
-        return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                   for p in (r.params for r in scheduled.requests))
-
-    def _resolve(self) -> list[Request]:
-        inflight, self._inflight = self._inflight, None
-        host = inflight.wait(self._clock)
-        finished = self.outputs.resolve(inflight.requests, inflight.positions, host)
-        self._finish(finished)
-        self._clock.lap("outputs")
-        return finished
-
-    def _finish(self, requests: list[Request]) -> None:
-        for request in requests:
-            self.scheduler.finish(request)
-        self._count_finished(requests)
-
-    def _count_finished(self, requests: list[Request]) -> None:
-        for request in requests:
-            self.totals.finished_requests += 1
-            self.totals.generation_tokens += request.num_output_tokens
-            self.totals.cached_prompt_tokens += request.metrics.num_cached_tokens
 
     def counters(self) -> dict:
         """Totals since the engine started, and the caches' state now: vLLM-style engine counters."""
