@@ -97,14 +97,14 @@ def test_hook_declines_on_a_cpu(hook):
 @pytest.mark.parametrize("hook", SERVED_HOOKS)
 def test_hook_declines_on_an_npu_without_torch_npu(hook, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    assert getattr(plugin, hook)(config=None, device=NPU_LIKE) is None
+    assert getattr(plugin, hook)(config=EngineConfig(), device=NPU_LIKE) is None
 
 
 @pytest.mark.parametrize("hook", SERVED_HOOKS)
 def test_hook_declines_in_batch_invariant_mode(hook, monkeypatch):
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     envs.reload()
-    assert getattr(plugin, hook)(config=None, device=NPU_LIKE) is None
+    assert getattr(plugin, hook)(config=EngineConfig(), device=NPU_LIKE) is None
 
 
 def test_configure_engine_names_torch_npu_when_an_npu_is_asked_for(monkeypatch):

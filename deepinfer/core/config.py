@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from deepinfer import envs
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -17,6 +19,27 @@ _KV_CACHE_DTYPES = ("auto", "fp8")
 # auto: decode steps replay captured CUDA graphs on CUDA (unless enforce_eager); padded-eager: on any device they are
 # padded as a graph replays them but run eagerly, which is how CPU tests run the graph paths' code
 _CUDA_GRAPHS = ("auto", "padded-eager")
+
+
+def _from_environment(variable: str):
+    """A field whose default is the documented variable's value (``deepinfer/envs.py``), read when the config is
+    built: the one place the engine's features take their defaults from the environment."""
+    return field(default_factory=lambda: getattr(envs.get(), variable), metadata={"variable": variable})
+
+
+def _check_variable_field(name: str, value, variable: envs.EnvVar) -> None:
+    """A value given for a field that a variable defaults must be one that variable could give."""
+    if variable.kind == "bool":
+        ok = isinstance(value, bool) or (value is None and variable.default is None)
+    elif variable.kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool) and (variable.minimum is None
+                                                                          or value >= variable.minimum)
+    else:
+        ok = value in variable.choices
+    if not ok:
+        unset = " or None" if variable.default is None else ""
+        raise ValueError(f"{name} ({variable.name}'s value by default) must be {variable.allowed()}{unset}, "
+                         f"got {value!r}")
 
 
 @dataclass(slots=True)
@@ -47,6 +70,15 @@ class EngineConfig:
     enable_eplb: bool = False
     num_redundant_experts: int = 0
     eplb_step_interval: int = 256
+    # features, each defaulting to its DEEPINFER_* variable (what each means: the README's table of variables).
+    # speculative decoding: None off, True confidence-scheduled draft lengths, False fixed length
+    enable_mtp_varlen: bool | None = _from_environment("DEEPINFER_ENABLE_MTP_VARLEN")
+    num_speculative_tokens: int = _from_environment("DEEPINFER_USE_NEXTN_DECODE")
+    prefill_truncation_mode: str = _from_environment("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
+    prefill_keep_tokens: int = _from_environment("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")
+    batch_invariant: bool = _from_environment("DEEPINFER_BATCH_INVARIANT")
+    async_scheduling: bool = _from_environment("DEEPINFER_ASYNC_SCHEDULING")
+    engram_tables: str = _from_environment("DEEPINFER_ENGRAM_TABLES")
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -93,6 +125,15 @@ class EngineConfig:
                              "experts are replicas EPLB places by measured load)")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        variables = {variable.name: variable for variable in envs.VARIABLES}
+        for f in fields(self):
+            if "variable" in f.metadata:
+                _check_variable_field(f.name, getattr(self, f.name), variables[f.metadata["variable"]])
+
+    @staticmethod
+    def variable_of(name: str) -> str:
+        """The DEEPINFER_* variable a field takes its default from."""
+        return next(f.metadata["variable"] for f in fields(EngineConfig) if f.name == name)
 
     @property
     def world_size(self) -> int:

@@ -36,7 +36,7 @@ class LLMEngine:
         own requests and caches."""
         self.config = config
         load_plugins()
-        check_feature_plugins()
+        check_feature_plugins(config)
         call_all("deepinfer_configure_engine", config=config)
         env = envs.get()
         model_dir = resolve_model_dir(config.model)
@@ -62,7 +62,7 @@ class LLMEngine:
         linear, _ = select_backend("deepinfer_linear_backend", config=config, device=self.device)
         mhc, _ = select_backend("deepinfer_mhc_backend", config=config, device=self.device)
         self.sampler, _ = select_backend("deepinfer_sampler", config=config, device=self.device)
-        if env.DEEPINFER_BATCH_INVARIANT:
+        if config.batch_invariant:
             setup.check_batch_invariant(attention=attention, moe=moe, linear=linear, mhc=mhc, sampler=self.sampler)
         dtype = config.torch_dtype(self.model_config.dtype)
         self.expert_parallel = ExpertParallel.for_engine(config, self.model_config, ranks)
@@ -70,7 +70,7 @@ class LLMEngine:
         self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear, mhc=mhc,
                                 dtype=dtype, device=self.device, tokenizer=self.tokenizer,
                                 quantization=config.quantization, load_format=config.load_format, seed=config.seed,
-                                expert_parallel=self.expert_parallel)
+                                expert_parallel=self.expert_parallel, engram_tables=config.engram_tables)
         logger.info("loaded %s (%s, %s, %.2f GiB of weights%s) in %.1f s", model_dir, dtype, self.device,
                     setup.weight_bytes(self.model) / 2**30, ", random: load_format=dummy"
                     if config.load_format == "dummy" else "", time.perf_counter() - start)
@@ -101,8 +101,8 @@ class LLMEngine:
                                   self.model_config.vocab_size, self.device, self._clock, self.graphs, self.context,
                                   self.expert_parallel)
         context = StepContext(self.scheduler, self.runner, self.outputs, self._clock, self.step_metrics, self.totals)
-        self.async_scheduling = env.DEEPINFER_ASYNC_SCHEDULING and self.speculator is None
-        self.steps = setup.step_mode(context, self.speculator, env.DEEPINFER_ASYNC_SCHEDULING, self.sampler,
+        self.async_scheduling = config.async_scheduling and self.speculator is None
+        self.steps = setup.step_mode(context, self.speculator, config.async_scheduling, self.sampler,
                                      self.max_model_len)
         # the overlapped speculative steps, where they run (their launch counts are read by benches and tests)
         self.overlap = self.steps if isinstance(self.steps, OverlappedSpeculation) else None

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer import envs
 from deepinfer.core.block_manager import BlockManager
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.cuda_graphs import DecodeGraphs
@@ -59,11 +58,10 @@ def speculator(config: EngineConfig, model, max_model_len: int) -> Speculator | 
     offer = select_optional_backend("deepinfer_drafter", config=config, model=model)
     if offer is None:
         return None
-    env = envs.get()
     logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,
-                offer[1], env.DEEPINFER_USE_NEXTN_DECODE,
-                "confidence-scheduled lengths" if env.DEEPINFER_ENABLE_MTP_VARLEN else "fixed length")
-    return Speculator(offer[0], env.DEEPINFER_USE_NEXTN_DECODE, env.DEEPINFER_ENABLE_MTP_VARLEN,
+                offer[1], config.num_speculative_tokens,
+                "confidence-scheduled lengths" if config.enable_mtp_varlen else "fixed length")
+    return Speculator(offer[0], config.num_speculative_tokens, config.enable_mtp_varlen,
                       config.max_num_batched_tokens, max_model_len)
 
 

@@ -17,7 +17,7 @@ from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBac
 
 def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, moe: MoEBackend,
                linear: LinearBackend, mhc: MHCBackend, dtype: torch.dtype, device: torch.device, tokenizer=None,
-               quantization: str = "auto", load_format: str = "auto", seed: int = 0,
+               engram_tables: str, quantization: str = "auto", load_format: str = "auto", seed: int = 0,
                expert_parallel=None) -> nn.Module:
     """The model with its weights on ``device``.
 
@@ -26,6 +26,7 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
     ``"dummy"`` skips the weight files: random weights are created on ``device`` in the formats ``config.json``
     declares (FP8 / MXFP4 with a ``quantization_config``, ``dtype`` without one). With ``expert_parallel``
     (``deepinfer.parallel.expert_parallel``) each MoE layer keeps, and reads, only this rank's experts.
+    ``engram_tables``: where DeepSeek-V4.1's Engram tables are read (``EngineConfig.engram_tables``).
     """
     # meta: no memory is touched until the checkpoint says how each tensor is stored
     with torch.device("meta"):
@@ -50,7 +51,7 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
         extras = stream_into(plan, tensors)
     model.backends = Backends(attention, moe, linear, mhc)  # what a drafter plugin builds its stages with
     model = model.to(device)  # the buffers the model computes itself (RoPE)
-    model.attach(extras, device)
+    model.attach(extras, device, engram_tables)
     fuse_shared_inputs(model)
     return model
 
