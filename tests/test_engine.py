@@ -97,11 +97,12 @@ def test_hook_deepinfer_mhc_backend(tiny_v4_checkpoint, llm, caplog):
 class Offers:
     @hookimpl
     def deepinfer_drafter(self, config, model):
-        return type("Drafter", (), {"name": "test-drafter"})()
+        # drafts nothing: what a drafter's drafts do is tests/test_speculative_decoding.py's
+        return type("Drafter", (), {"name": "test-drafter", "propose": lambda self, requests, computed: []})()
 
     @hookimpl
     def deepinfer_prefill_truncation(self, config, model_config):
-        return type("Truncation", (), {"name": "test-truncation"})()
+        return type("Truncation", (), {"name": "test-truncation", "replay_start": lambda self, prompt_tokens: 0})()
 
     @hookimpl
     def deepinfer_logits_processor(self, config, tokenizer, vocab_size):

@@ -25,7 +25,7 @@ from deepinfer.models.registry import model_config
 from deepinfer.parallel.context_parallel import ContextParallel
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.ranks import Ranks
-from deepinfer.plugins.manager import call_all, load_plugins, select_backend, select_optional_backend
+from deepinfer.plugins.manager import call_all, checked, load_plugins, select_optional_backend
 
 logger = init_logger(__name__)
 
@@ -56,12 +56,12 @@ class LLMEngine:
             # slower; flushing them to zero changes nothing above 1e-38. Process-wide.
             logger.info("CPU: flushing denormal floats to zero")
 
-        attention, _ = select_backend("deepinfer_attention_backend", config=config, device=self.device)
+        attention = setup.backend("deepinfer_attention_backend", config, self.device)
         self.attention = attention  # it also derives padded steps' cache slots
-        moe, _ = select_backend("deepinfer_moe_backend", config=config, device=self.device)
-        linear, _ = select_backend("deepinfer_linear_backend", config=config, device=self.device)
-        mhc, _ = select_backend("deepinfer_mhc_backend", config=config, device=self.device)
-        self.sampler, _ = select_backend("deepinfer_sampler", config=config, device=self.device)
+        moe = setup.backend("deepinfer_moe_backend", config, self.device)
+        linear = setup.backend("deepinfer_linear_backend", config, self.device)
+        mhc = setup.backend("deepinfer_mhc_backend", config, self.device)
+        self.sampler = setup.backend("deepinfer_sampler", config, self.device)
         if config.batch_invariant:
             setup.check_batch_invariant(attention=attention, moe=moe, linear=linear, mhc=mhc, sampler=self.sampler)
         dtype = config.torch_dtype(self.model_config.dtype)
@@ -160,8 +160,9 @@ class LLMEngine:
         """The structured-outputs plugin's ``LogitsProcessor``, loaded on first use (it reads the tokenizer's
         whole vocabulary once)."""
         if self._structured is None:
-            found = select_optional_backend("deepinfer_logits_processor", config=self.config,
-                                            tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size)
+            found = checked("deepinfer_logits_processor", select_optional_backend(
+                "deepinfer_logits_processor", config=self.config, tokenizer=self.tokenizer,
+                vocab_size=self.model_config.vocab_size))
             if found is None:
                 raise ValueError("so_args needs the structured-outputs plugin: install features/structured_outputs "
                                  "(distribution deepinfer-structured-outputs)")

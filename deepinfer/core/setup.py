@@ -23,9 +23,15 @@ from deepinfer.core.speculation import Speculator
 from deepinfer.core.steps import DecodeSteps, SpeculativeSteps, StepContext, StepMode
 from deepinfer.logger import init_logger
 from deepinfer.plugins.interfaces import AttentionBackend, PrefillTruncation, Sampler
-from deepinfer.plugins.manager import call_all, select_optional_backend
+from deepinfer.plugins.manager import call_all, checked, select_backend, select_optional_backend
 
 logger = init_logger(__name__)
+
+
+def backend(hook_name: str, config: EngineConfig, device: torch.device):
+    """The backend that serves ``hook_name`` on ``device``, checked against its protocol."""
+    found, _ = checked(hook_name, select_backend(hook_name, config=config, device=device))
+    return found
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -55,7 +61,7 @@ def graph_blockers(backends: dict, model, expert_parallel, context) -> list[str]
 
 def speculator(config: EngineConfig, model, max_model_len: int) -> Speculator | None:
     """Speculative decoding, if a drafter plugin offers it for ``model``."""
-    offer = select_optional_backend("deepinfer_drafter", config=config, model=model)
+    offer = checked("deepinfer_drafter", select_optional_backend("deepinfer_drafter", config=config, model=model))
     if offer is None:
         return None
     logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,
@@ -69,7 +75,8 @@ def prefill_truncation(config: EngineConfig, model_config, model, max_model_len:
                        speculation: Speculator | None) -> PrefillTruncation | None:
     """SWA bounded replay's policy, checked against the model and the longest backtrack: after a prefill the
     decoder layers' windows must hold every row a later step reads, even once drafts are rolled back."""
-    offer = select_optional_backend("deepinfer_prefill_truncation", config=config, model_config=model_config)
+    offer = checked("deepinfer_prefill_truncation", select_optional_backend(
+        "deepinfer_prefill_truncation", config=config, model_config=model_config))
     if offer is None:
         return None
     policy, plugin = offer

@@ -27,6 +27,9 @@ from deepinfer_ascend.moe import AscendMoE
 
 logger = init_logger(__name__)
 
+# Asked before feature plugins (manager.PRIORITY_ATTRIBUTE), as every device plugin is
+DEEPINFER_PRIORITY = 10
+
 
 def _serving(config, device) -> ModuleType | None:
     """torch_npu when this plugin serves ``device``, else None (the hook declines)."""

@@ -14,6 +14,10 @@ from deepinfer.plugins import hookimpl
 
 logger = init_logger(__name__)
 
+# Asked before feature plugins (manager.PRIORITY_ATTRIBUTE): with DEEPINFER_BATCH_INVARIANT=1 this plugin serves
+# its own invariant kernels on CUDA, where features/batch_invariant's attention would run the CPU-style blocked one
+DEEPINFER_PRIORITY = 10
+
 # Batch-invariant attention: key tiles per split (256 keys of 512-wide bf16 rows). Larger splits leave small
 # decode batches fewer programs; smaller ones write more partial rows.
 INVARIANT_TILES_PER_SPLIT = 8
