@@ -10,7 +10,6 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from deepinfer import envs
 from deepinfer.chat_encoding import encode_chat
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import LLMEngine
@@ -40,8 +39,7 @@ class LLM:
         config = EngineConfig.from_kwargs(model, engine_args)
         ranks = None
         if config.world_size > 1:
-            ranks = parallel.start(config.world_size, config.torch_device(envs.get().DEEPINFER_ACCELERATOR), config,
-                                   _serve_rank)
+            ranks = parallel.start(config.world_size, config.torch_device(), config, _serve_rank)
             weakref.finalize(self, ranks.close)  # spawned ranks wait for calls: they must be told when it ends
         self._init(config, ranks)
 

@@ -70,7 +70,9 @@ class EngineConfig:
     enable_eplb: bool = False
     num_redundant_experts: int = 0
     eplb_step_interval: int = 256
-    # features, each defaulting to its DEEPINFER_* variable (what each means: the README's table of variables).
+    # the device family and the features, each defaulting to its DEEPINFER_* variable (what each means: the
+    # README's table of variables).
+    accelerator: str = _from_environment("DEEPINFER_ACCELERATOR")
     # speculative decoding: None off, True confidence-scheduled draft lengths, False fixed length
     enable_mtp_varlen: bool | None = _from_environment("DEEPINFER_ENABLE_MTP_VARLEN")
     num_speculative_tokens: int = _from_environment("DEEPINFER_USE_NEXTN_DECODE")
@@ -152,11 +154,11 @@ class EngineConfig:
         """``auto`` keeps the checkpoint's dtype (its ``torch_dtype``)."""
         return checkpoint_dtype if self.dtype == "auto" else _DTYPES[self.dtype]
 
-    def torch_device(self, accelerator: str) -> torch.device:
+    def torch_device(self) -> torch.device:
         if self.device != "auto":
             return torch.device(self.device)
-        if accelerator in ("nvidia", "auto") and torch.cuda.is_available():
+        if self.accelerator in ("nvidia", "auto") and torch.cuda.is_available():
             return torch.device("cuda")
-        if accelerator == "nvidia":
+        if self.accelerator == "nvidia":
             raise RuntimeError("DEEPINFER_ACCELERATOR=nvidia but torch sees no CUDA device")
         return torch.device("cpu")

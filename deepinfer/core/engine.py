@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from deepinfer import envs
 from deepinfer.core import setup
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.feature_flags import check_feature_plugins
@@ -38,11 +37,10 @@ class LLMEngine:
         load_plugins()
         check_feature_plugins(config)
         call_all("deepinfer_configure_engine", config=config)
-        env = envs.get()
         model_dir = resolve_model_dir(config.model)
         self.model_config = model_config(model_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
-        self.device = ranks.device if ranks is not None else config.torch_device(env.DEEPINFER_ACCELERATOR)
+        self.device = ranks.device if ranks is not None else config.torch_device()
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
