@@ -121,8 +121,8 @@ def measure(model_dir: Path, device: torch.device, quantization: str) -> dict:
 
     def deepinfer_load():
         model = load_model(config, model_dir, attention=TorchAttention(), moe=TorchMoE(), linear=TorchLinear(),
-                           mhc=TorchMHC(), dtype=config.dtype, device=device, tokenizer=tokenizer, quantization=quantization,
-                           engram_tables=EngineConfig().engram_tables)
+                           mhc=TorchMHC(), dtype=config.dtype, device=device, tokenizer=tokenizer,
+                           quantization=quantization, engram_tables=EngineConfig().engram_tables)
         return [*model.parameters(), *model.buffers()]
 
     def safetensors_load():

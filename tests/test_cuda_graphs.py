@@ -15,7 +15,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.core.cuda_graphs import DecodeGraphs
-from deepinfer.core.forward_batch import StepInputs
+from deepinfer.core.step_inputs import StepInputs
 from deepinfer.plugins.manager import registered
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"

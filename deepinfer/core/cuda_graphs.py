@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.core.forward_batch import ForwardBatchBuilder, PaddedShape, StepInputs, real_rows
+from deepinfer.core.forward_batch import ForwardBatchBuilder
 from deepinfer.core.kv_cache import KVCache
 from deepinfer.core.scheduled import ScheduledBatch
+from deepinfer.core.step_inputs import PaddedShape, StepInputs, real_rows
 from deepinfer.core.transfer import to_device
 from deepinfer.logger import init_logger
 
@@ -127,7 +128,8 @@ class DecodeGraphs:
         hidden, features = self._replay(scheduled, before_launch, False, None)
         return self._real_rows(scheduled, hidden, features)
 
-    def with_tail(self, scheduled: ScheduledBatch, tail: StepTail, before_launch, values_on_device: bool) -> tuple[torch.Tensor, ...]:
+    def with_tail(self, scheduled: ScheduledBatch, tail: StepTail, before_launch, values_on_device: bool
+                  ) -> tuple[torch.Tensor, ...]:
         """The step's forward pass, the vocabulary projection of every row (padding included) and ``tail``, as
         one graph: returns ``tail.run``'s outputs, the graph's own tensors (its next replay rewrites them).
         ``values_on_device``: see ``ForwardBatchBuilder.inputs``."""
@@ -157,7 +159,8 @@ class DecodeGraphs:
         captured.graph.replay()
         return captured.outputs
 
-    def _real_rows(self, scheduled: ScheduledBatch, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+    def _real_rows(self, scheduled: ScheduledBatch, hidden: torch.Tensor, features: torch.Tensor | None
+                   ) -> torch.Tensor:
         """The real rows' logits, in step order; their features (a drafter's input) go where the drafter reads
         them. One token per request: a slice, no index to copy in the decode step."""
         rows = (slice(0, len(scheduled)) if self.tokens_per_request == 1 else

@@ -15,7 +15,8 @@ from deepinfer.plugins.manager import pm
 # config field -> (is it switched on?, plugin name the distribution registers, distribution, folder)
 _FEATURES = {
     "enable_mtp_varlen": (lambda varlen: varlen is not None, "mtp", "deepinfer-mtp", "features/mtp"),
-    "prefill_truncation_mode": (lambda mode: mode != "off", "swa_replay", "deepinfer-swa-replay", "features/swa_replay"),
+    "prefill_truncation_mode": (lambda mode: mode != "off", "swa_replay", "deepinfer-swa-replay",
+                                "features/swa_replay"),
     "batch_invariant": (bool, "batch_invariant", "deepinfer-batch-invariant", "features/batch_invariant"),
 }
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.core.cuda_graphs import DecodeGraphs, StepTail
-from deepinfer.core.forward_batch import ForwardBatchBuilder, StepInputs
+from deepinfer.core.forward_batch import ForwardBatchBuilder
 from deepinfer.core.grammar_masks import apply_grammar_masks
 from deepinfer.core.kv_cache import KVCache
 from deepinfer.core.request import Request
 from deepinfer.core.sampling_batch import build_sampling_batch
 from deepinfer.core.scheduled import ScheduledBatch
+from deepinfer.core.step_inputs import StepInputs
 from deepinfer.core.step_metrics import StepClock
 from deepinfer.parallel.context_parallel import ContextParallel
 from deepinfer.parallel.expert_parallel import ExpertParallel

@@ -42,8 +42,9 @@ def check_batch_invariant(**backends) -> None:
     variant = [f"{kind} backend {backend.name!r}" for kind, backend in backends.items()
                if not getattr(backend, "batch_invariant", False)]
     if variant:
-        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1, but the {', '.join(variant)} do not declare batch_invariant = True "
-                         "(a row's result could depend on its batch mates); install or select backends that do")
+        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1, but the {', '.join(variant)} do not declare "
+                         "batch_invariant = True (a row's result could depend on its batch mates); install or select "
+                         "backends that do")
 
 
 def graph_blockers(backends: dict, model, expert_parallel, context) -> list[str]:

@@ -393,23 +393,3 @@ class TokenExchange(Protocol):
         """Send each computed row [N, hidden] (weighted already) back to its token's rank; return this rank's
         [num_tokens, hidden] sums over each token's choices (in fp32, rounded once to ``computed``'s dtype)."""
 
-
-# What each backend hook's answer implements: checked when the engine selects it (``plugins.manager.checked``)
-HOOK_PROTOCOLS = {
-    "deepinfer_attention_backend": AttentionBackend,
-    "deepinfer_moe_backend": MoEBackend,
-    "deepinfer_linear_backend": LinearBackend,
-    "deepinfer_mhc_backend": MHCBackend,
-    "deepinfer_sampler": Sampler,
-    "deepinfer_drafter": Drafter,
-    "deepinfer_prefill_truncation": PrefillTruncation,
-    "deepinfer_logits_processor": LogitsProcessor,
-    "deepinfer_token_exchange": TokenExchange,
-}
-
-
-def protocol_members(protocol: type) -> list[str]:
-    """The attributes and methods a protocol asks for, in declaration order."""
-    attributes = list(vars(protocol).get("__annotations__", {}))
-    return attributes + [name for name, value in vars(protocol).items()
-                         if callable(value) and not name.startswith("_") and name not in attributes]

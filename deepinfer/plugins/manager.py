@@ -170,15 +170,36 @@ def check_pending() -> None:
                               f"which is not a deepinfer hook{hint}")
 
 
+# What each backend hook's answer implements: checked when the engine selects it (``checked``)
+HOOK_PROTOCOLS = {
+    "deepinfer_attention_backend": interfaces.AttentionBackend,
+    "deepinfer_moe_backend": interfaces.MoEBackend,
+    "deepinfer_linear_backend": interfaces.LinearBackend,
+    "deepinfer_mhc_backend": interfaces.MHCBackend,
+    "deepinfer_sampler": interfaces.Sampler,
+    "deepinfer_drafter": interfaces.Drafter,
+    "deepinfer_prefill_truncation": interfaces.PrefillTruncation,
+    "deepinfer_logits_processor": interfaces.LogitsProcessor,
+    "deepinfer_token_exchange": interfaces.TokenExchange,
+}
+
+
+def protocol_members(protocol: type) -> list[str]:
+    """The attributes and methods a protocol asks for, in declaration order."""
+    attributes = list(vars(protocol).get("__annotations__", {}))
+    return attributes + [name for name, value in vars(protocol).items()
+                         if callable(value) and not name.startswith("_") and name not in attributes]
+
+
 def checked(hook_name: str, selection: tuple[object, str] | None) -> tuple[object, str] | None:
     """``selection`` (a backend and its plugin, or None) once the backend is found to have every member of its
-    hook's protocol (``interfaces.HOOK_PROTOCOLS``): a missing method fails here, naming plugin, hook and
+    hook's protocol (``HOOK_PROTOCOLS``): a missing method fails here, naming plugin, hook and
     method, not deep inside a forward pass."""
     if selection is None:
         return None
     backend, plugin = selection
-    protocol = interfaces.HOOK_PROTOCOLS[hook_name]
-    missing = [name for name in interfaces.protocol_members(protocol) if not hasattr(backend, name)
+    protocol = HOOK_PROTOCOLS[hook_name]
+    missing = [name for name in protocol_members(protocol) if not hasattr(backend, name)
                or (callable(getattr(protocol, name, None)) and not callable(getattr(backend, name)))]
     if missing:
         raise PluginError(f"plugin {plugin!r} serves {hook_name} with a {type(backend).__name__} that lacks "
