@@ -3,8 +3,7 @@
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from deepinfer.version import __version__
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "hookimpl"]
 
 

@@ -102,6 +102,7 @@ def measure(model_dir: Path, device: torch.device, quantization: str) -> dict:
     shard straight onto the device, which keeps every tensor in the model's checkpoint format too."""
     from safetensors.torch import load_file
 
+    from deepinfer.core.config import EngineConfig
     from deepinfer.core.tokenizer import load_tokenizer
     from deepinfer.models.loader import load_model
     from deepinfer.models.registry import model_config
@@ -120,7 +121,8 @@ def measure(model_dir: Path, device: torch.device, quantization: str) -> dict:
 
     def deepinfer_load():
         model = load_model(config, model_dir, attention=TorchAttention(), moe=TorchMoE(), linear=TorchLinear(),
-                           mhc=TorchMHC(), dtype=config.dtype, device=device, tokenizer=tokenizer, quantization=quantization)
+                           mhc=TorchMHC(), dtype=config.dtype, device=device, tokenizer=tokenizer,
+                           quantization=quantization, engram_tables=EngineConfig().engram_tables)
         return [*model.parameters(), *model.buffers()]
 
     def safetensors_load():

@@ -1,6 +1,6 @@
 """``deepinfer bench replay``: prefill throughput with SWA bounded replay off and compact, and what it changes.
 
-Each mode loads the model once (``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off``, then ``compact`` with
+Each mode loads the model once (``prefill_truncation_mode="off"``, then ``"compact"`` with
 ``--keep-tokens``), warms up, times prefilling ``--batch-size`` prompts of ``--input-len`` tokens (one output
 token), then generates ``--output-len`` greedy tokens from them. Reported: prefill tokens/s of both and the
 speed-up, how far compact's last-position logits are from full prefill's (max absolute difference over the
@@ -12,7 +12,6 @@ model such as the embedded one).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -32,12 +31,10 @@ def _prompts(args, tokenizer, vocab: int) -> list[list[int]]:
 
 
 def _run(args, mode: str, prompts: list[list[int]] | None) -> dict:
-    from deepinfer import SamplingParams, envs
+    from deepinfer import SamplingParams
 
-    os.environ["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] = mode
-    os.environ["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"] = str(args.keep_tokens)
-    envs.reload()
-    llm = build_llm(args, max_num_seqs=args.batch_size,
+    llm = build_llm(args, max_num_seqs=args.batch_size, prefill_truncation_mode=mode,
+                    prefill_keep_tokens=args.keep_tokens,
                     max_model_len=args.max_model_len or args.input_len + args.output_len + 8,
                     enable_prefix_caching=False)  # every timed prefill computes its prompts (compact's would miss)
     if mode == "compact" and llm.engine.truncation is None:

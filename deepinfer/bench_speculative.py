@@ -3,17 +3,16 @@
 Text prompts (drafts are only worth measuring on text a model can predict; random ids would accept nothing):
 the built-in Python snippets, or one prompt per line of ``--prompts-file``, cycled to ``--batch-size``. Each
 batch size runs three times on the same prompts, greedy, after a warm-up of each: without drafts
-(``DEEPINFER_ENABLE_MTP_VARLEN`` unset), then with the installed drafter (e.g. features/mtp's DSpark) verifying
-every draft (``=0``, fixed length) and with confidence-scheduled lengths (``=1``). Reports decode tokens/s of
-each, the speed-ups, vLLM's acceptance counters, and whether the runs generated the same tokens. A fourth run,
-fixed length with ``DEEPINFER_ASYNC_SCHEDULING=0``, is the peer of speculative steps that overlap the host
+(``enable_mtp_varlen=None``), then with the installed drafter (e.g. features/mtp's DSpark) verifying every draft
+(``False``, fixed length) and with confidence-scheduled lengths (``True``). Reports decode tokens/s of each, the
+speed-ups, vLLM's acceptance counters, and whether the runs generated the same tokens. A fourth run, fixed length
+with ``async_scheduling=False``, is the peer of speculative steps that overlap the host
 (``core/overlapped_speculation.py``): the same verification, each step waiting for the host.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 from deepinfer.bench import _add_common, _release, _synchronize, build_llm
@@ -30,40 +29,20 @@ PROMPTS = [
 ]
 
 
-# mode -> (DEEPINFER_ENABLE_MTP_VARLEN, DEEPINFER_ASYNC_SCHEDULING); the last is the peer of overlapped speculative
-# steps: the same fixed-length verification, each step waiting for the host
-MODES = {"without_drafts": (None, "1"), "fixed_length": ("0", "1"), "confidence_scheduled": ("1", "1"),
-         "fixed_length_synchronous": ("0", "0")}
+# mode -> (enable_mtp_varlen, async_scheduling); the last is the peer of overlapped speculative steps: the same
+# fixed-length verification, each step waiting for the host
+MODES = {"without_drafts": (None, True), "fixed_length": (False, True), "confidence_scheduled": (True, True),
+         "fixed_length_synchronous": (False, False)}
 
 
-def _run(args, batch: int, prompts: list[str], varlen: str | None, asynchronous: str) -> dict:
-    from deepinfer import envs
-
-    speculative = varlen is not None
-    if speculative:
-        os.environ["DEEPINFER_ENABLE_MTP_VARLEN"] = varlen
-    else:
-        os.environ.pop("DEEPINFER_ENABLE_MTP_VARLEN", None)
-    before_async = os.environ.get("DEEPINFER_ASYNC_SCHEDULING")
-    os.environ["DEEPINFER_ASYNC_SCHEDULING"] = asynchronous
-    envs.reload()
-    try:
-        return _timed(args, batch, prompts, speculative)
-    finally:
-        if before_async is None:
-            os.environ.pop("DEEPINFER_ASYNC_SCHEDULING")
-        else:
-            os.environ["DEEPINFER_ASYNC_SCHEDULING"] = before_async
-        envs.reload()
-
-
-def _timed(args, batch: int, prompts: list[str], speculative: bool) -> dict:
+def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous: bool) -> dict:
     from deepinfer import SamplingParams
 
-    llm = build_llm(args, max_num_seqs=max(batch, 1))
+    speculative = varlen is not None
+    llm = build_llm(args, max_num_seqs=max(batch, 1), enable_mtp_varlen=varlen, async_scheduling=asynchronous)
     if speculative and llm.engine.speculator is None:
-        raise SystemExit(f"no drafter serves this model with DEEPINFER_ENABLE_MTP_VARLEN="
-                         f"{os.environ['DEEPINFER_ENABLE_MTP_VARLEN']} (is features/mtp installed?)")
+        raise SystemExit(f"no drafter serves this model with enable_mtp_varlen={varlen} (is features/mtp "
+                         "installed?)")
     overlap = llm.engine.overlap
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     # warm-up as long as the timed run: kernels are tuned per shape, and shapes follow the context as it grows

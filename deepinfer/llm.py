@@ -10,7 +10,6 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from deepinfer import envs
 from deepinfer.chat_encoding import encode_chat
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import LLMEngine
@@ -40,7 +39,7 @@ class LLM:
         config = EngineConfig.from_kwargs(model, engine_args)
         ranks = None
         if config.world_size > 1:
-            ranks = parallel.start(config.world_size, config.torch_device(envs.get().DEEPINFER_ACCELERATOR), config)
+            ranks = parallel.start(config.world_size, config.torch_device(), config, _serve_rank)
             weakref.finalize(self, ranks.close)  # spawned ranks wait for calls: they must be told when it ends
         self._init(config, ranks)
 
@@ -94,7 +93,7 @@ class LLM:
         ranks = self.ranks
         shares = self.engine.config.context_parallel_size
         data_rank, data_ranks = ranks.rank // shares, ranks.world_size // shares
-        ranks.mirror("_generate_on_ranks", prompt_list, params, False)
+        ranks.mirror("generate", prompt_list, params, False)
         ranks.check_same("generate's prompts and sampling params",
                          hashlib.sha256(pickle.dumps((prompt_list, params))).hexdigest()[:16])
         mine = {}
@@ -272,3 +271,9 @@ def _as_params_list(params, count: int) -> list[SamplingParams]:
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
     return params
+
+
+def _serve_rank(config: EngineConfig, ranks: parallel.Ranks) -> None:
+    """A spawned rank of a parallel job (``parallel.ranks.start``): its own LLM makes each call rank 0 mirrors."""
+    llm = LLM._as_rank(config, ranks)
+    ranks.serve({"generate": llm._generate_on_ranks})

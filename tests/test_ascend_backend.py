@@ -31,13 +31,13 @@ from deepinfer import envs  # noqa: E402
 from deepinfer.core.config import EngineConfig  # noqa: E402
 from deepinfer.core.fp8_kv import FP8Rows  # noqa: E402
 from deepinfer.core.ops import swiglu  # noqa: E402
-from deepinfer.core.quantization import quantize_fp4, quantize_fp8, round_fp8  # noqa: E402
+from deepinfer.core.quantization import round_fp8  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
-from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer.plugins import manager  # noqa: E402
 from deepinfer.plugins.manager import check_pending, load_entry_point_plugins, load_plugins, select_backend  # noqa: E402
+from deepinfer.testing.backend_fixtures import random_experts, stand_in_ranks  # noqa: E402
 from deepinfer_ascend import layouts, plugin  # noqa: E402
 from deepinfer_ascend.attention import AscendAttention  # noqa: E402
 from deepinfer_ascend.mhc import AscendMHC  # noqa: E402
@@ -51,10 +51,6 @@ MODULES = ("deepinfer_ascend", "deepinfer_ascend.npu", "deepinfer_ascend.layouts
 
 
 # --- packaging and hooks -----------------------------------------------------------------------------------------
-
-def _ranks(device):
-    return SimpleNamespace(rank=0, world_size=2, device=device, device_group=None, control_group=None)
-
 
 def test_distribution_declares_the_entry_point_and_no_torch_npu_dependency():
     project = tomllib.loads((ROOT / "backends" / "ascend" / "pyproject.toml").read_text())["project"]
@@ -85,7 +81,7 @@ def test_entry_point_loads_and_the_builtins_serve_a_cpu(install, monkeypatch):
     for hook in (*SERVED_HOOKS, "deepinfer_linear_backend", "deepinfer_sampler"):
         _, served_by = select_backend(hook, config=None, device=CPU)
         assert served_by.startswith("deepinfer.plugins.builtin."), (hook, served_by)
-    _, served_by = select_backend("deepinfer_token_exchange", config=None, ranks=_ranks(CPU))
+    _, served_by = select_backend("deepinfer_token_exchange", config=None, ranks=stand_in_ranks(CPU))
     assert served_by.startswith("deepinfer.plugins.builtin."), served_by
 
 
@@ -97,14 +93,14 @@ def test_hook_declines_on_a_cpu(hook):
 @pytest.mark.parametrize("hook", SERVED_HOOKS)
 def test_hook_declines_on_an_npu_without_torch_npu(hook, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    assert getattr(plugin, hook)(config=None, device=NPU_LIKE) is None
+    assert getattr(plugin, hook)(config=EngineConfig(), device=NPU_LIKE) is None
 
 
 @pytest.mark.parametrize("hook", SERVED_HOOKS)
 def test_hook_declines_in_batch_invariant_mode(hook, monkeypatch):
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     envs.reload()
-    assert getattr(plugin, hook)(config=None, device=NPU_LIKE) is None
+    assert getattr(plugin, hook)(config=EngineConfig(), device=NPU_LIKE) is None
 
 
 def test_configure_engine_names_torch_npu_when_an_npu_is_asked_for(monkeypatch):
@@ -270,18 +266,6 @@ def test_attention_the_operator_cannot_take_goes_to_the_reference():
 
 # --- routed experts ------------------------------------------------------------------------------------------------
 
-def _experts(g, fmt, experts=8, hidden=64, inter=32, limit=1.5):
-    def weight(rows, cols):
-        return torch.randn(experts, rows, cols, generator=g) * cols ** -0.5
-
-    stacks = [weight(inter, hidden), weight(inter, hidden), weight(hidden, inter)]
-    if fmt in (torch.float32, torch.bfloat16):
-        return ExpertWeights(*(w.to(fmt) for w in stacks), limit)
-    quantize = quantize_fp4 if fmt == "mxfp4" else (lambda w: quantize_fp8(w, 32, 32))
-    (w1, s1), (w3, s3), (w2, s2) = ([torch.stack(t) for t in zip(*map(quantize, w))] for w in stacks)
-    return ExpertWeights(w1, w3, w2, limit, s1, s3, s2, 32)
-
-
 def _routing(g, tokens, experts=8, k=3):
     ids = torch.rand(tokens, experts, generator=g).argsort(1)[:, :k]
     return ids, torch.rand(tokens, k, generator=g)
@@ -296,7 +280,7 @@ def _routing(g, tokens, experts=8, k=3):
                                            ("mxfp4", torch.bfloat16, 3e-2), ("fp8", torch.bfloat16, 3e-2)])
 def test_routed_experts_match_the_reference(fmt, dtype, tol):
     g = torch.Generator().manual_seed(4)
-    weights = _experts(g, fmt)
+    weights = random_experts(g, fmt)
     x = (torch.randn(9, 64, generator=g) * 3).to(dtype)  # large enough that the SwiGLU clamp bites
     ids, w = _routing(g, 9)
     ours = AscendMoE(DOCUMENTED).routed_experts(x, ids, w, weights)
@@ -307,7 +291,7 @@ def test_routed_experts_match_the_reference(fmt, dtype, tol):
 
 def test_converted_experts_follow_in_place_changes_and_no_tokens_compute_nothing():
     g = torch.Generator().manual_seed(5)
-    weights, backend = _experts(g, torch.float32), AscendMoE(DOCUMENTED)
+    weights, backend = random_experts(g, torch.float32), AscendMoE(DOCUMENTED)
     x, (ids, w) = torch.randn(4, 64, generator=g), _routing(g, 4)
     backend.routed_experts(x, ids, w, weights)
     with torch.no_grad():
@@ -320,9 +304,9 @@ def test_converted_experts_follow_in_place_changes_and_no_tokens_compute_nothing
 
 def test_experts_the_operators_cannot_take_go_to_the_reference():
     g = torch.Generator().manual_seed(11)
-    mixed = _experts(g, "fp8")
+    mixed = random_experts(g, "fp8")
     mixed.w3, mixed.w3_scale = torch.randn(8, 32, 64, generator=g), None  # w1 quantized, w3 not
-    single = _experts(g, torch.float32, experts=1)
+    single = random_experts(g, torch.float32, experts=1)
     x, (ids, w) = torch.randn(4, 64, generator=g), _routing(g, 4, k=2)
     assert torch.equal(AscendMoE(None).routed_experts(x, ids, w, mixed), TorchMoE().routed_experts(x, ids, w, mixed))
     one = torch.zeros(4, 1, dtype=torch.long)
@@ -332,7 +316,7 @@ def test_experts_the_operators_cannot_take_go_to_the_reference():
 
 def test_quantized_experts_are_exact_in_bf16_and_so_are_rounded_activations():
     g = torch.Generator().manual_seed(6)
-    weights = _experts(g, "mxfp4")
+    weights = random_experts(g, "mxfp4")
     as_bf16 = layouts.grouped_weight(weights.w1, weights.w1_scale, torch.bfloat16)
     assert torch.equal(as_bf16.float(), layouts.grouped_weight(weights.w1, weights.w1_scale, torch.float32))
     x = torch.randn(5, 64, generator=g) * 7

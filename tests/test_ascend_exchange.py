@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backends" / "ascend"))  # when not pip-installed
 
 from deepinfer import envs  # noqa: E402
+from deepinfer.core.config import EngineConfig  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import Dispatched, ExpertWeights  # noqa: E402
 from deepinfer_ascend import plugin  # noqa: E402
-from test_ascend_backend import _experts, _ranks  # noqa: E402  (shared builders)
+from deepinfer.testing.backend_fixtures import random_experts, stand_in_ranks  # noqa: E402
 from deepinfer_ascend.exchange import AscendExchange, buffer_bytes, call_inputs, chunk_tokens  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -31,14 +32,14 @@ NPU_LIKE = SimpleNamespace(type="npu")  # what torch.device("npu") is once torch
 
 
 def test_token_exchange_declines_on_a_cpu_without_torch_npu_its_operators_or_in_batch_invariant_mode(monkeypatch):
-    assert plugin.deepinfer_token_exchange(config=None, ranks=_ranks(CPU)) is None
+    assert plugin.deepinfer_token_exchange(config=None, ranks=stand_in_ranks(CPU)) is None
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    assert plugin.deepinfer_token_exchange(config=None, ranks=_ranks(NPU_LIKE)) is None
+    assert plugin.deepinfer_token_exchange(config=EngineConfig(), ranks=stand_in_ranks(NPU_LIKE)) is None
     monkeypatch.setattr(plugin.npu, "torch_npu", lambda: SimpleNamespace())  # a torch_npu without the MC2 operators
-    assert plugin.deepinfer_token_exchange(config=None, ranks=_ranks(NPU_LIKE)) is None
+    assert plugin.deepinfer_token_exchange(config=EngineConfig(), ranks=stand_in_ranks(NPU_LIKE)) is None
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     envs.reload()
-    assert plugin.deepinfer_token_exchange(config=None, ranks=_ranks(NPU_LIKE)) is None
+    assert plugin.deepinfer_token_exchange(config=EngineConfig(), ranks=stand_in_ranks(NPU_LIKE)) is None
 
 
 # --- expert parallelism's token exchange ---------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_token_exchange_conversions_give_the_reference_moe(world, tokens, cold, 
     k, experts, hidden = 3, 6, 1024
     phy2log = list(range(experts)) + [0, 1]  # two redundant slots: copies of experts 0 and 1
     per_rank = len(phy2log) // world
-    every = _experts(g, torch.bfloat16, experts=experts, hidden=hidden, inter=16)
+    every = random_experts(g, torch.bfloat16, experts=experts, hidden=hidden, inter=16)
     inputs = [((torch.randn(n, hidden, generator=g) * 3).bfloat16(), *_ep_routing(g, n, k, phy2log, per_rank, cold))
               for n in tokens]
     sim = DocumentedMoeDistribute(world)
@@ -259,7 +260,7 @@ def test_token_exchange_hook_serves_an_npu_on_a_group_of_its_own(monkeypatch):
     monkeypatch.setattr("torch.distributed.new_group", lambda **kw: calls.append(("new_group", kw)) or group)
     monkeypatch.setattr(torch, "device", lambda name: SimpleNamespace(type=name), raising=True)
     ranks = SimpleNamespace(rank=1, world_size=2, device=NPU_LIKE, device_group="world", control_group="gloo")
-    exchange = plugin.deepinfer_token_exchange(config=None, ranks=ranks)
+    exchange = plugin.deepinfer_token_exchange(config=EngineConfig(), ranks=ranks)
     monkeypatch.undo()
     assert isinstance(exchange, AscendExchange) and exchange.ops is module
     assert (exchange.group, exchange.rank, exchange.world) == ("hccl-group-1", 1, 2)

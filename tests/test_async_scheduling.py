@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer import LLM, SamplingParams, envs
+from deepinfer.core.scheduled import ScheduledBatch
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):", "x = [",
@@ -76,7 +77,7 @@ def test_v41_engram_overlaps_with_the_same_outputs(monkeypatch, engine_args, tab
     waiting = _llm(V41_FIXTURE, monkeypatch, False, engine_args, "host")
     overlapped = _llm(V41_FIXTURE, monkeypatch, True, engine_args, tables)
     assert overlapped.engine.model.needs_host_tokens == (tables == "host")
-    assert overlapped.engine._needs_host_tokens([]) == (tables == "host")
+    assert overlapped.engine.runner.needs_host_tokens(ScheduledBatch()) == (tables == "host")
     for params in _params(waiting):
         _assert_same(_outputs(overlapped, params), _outputs(waiting, params))
 
@@ -88,10 +89,10 @@ def test_a_step_is_left_in_flight_only_when_overlapping(which, tiny_v4_checkpoin
         llm = _llm(checkpoint, monkeypatch, asynchronous, {})
         llm._submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         llm.engine.step()
-        assert (llm.engine._inflight is not None) is asynchronous
+        assert llm.engine.steps.in_flight is asynchronous
         while llm.engine.has_unfinished():
             llm.engine.step()
-        assert llm.engine._inflight is None
+        assert not llm.engine.steps.in_flight
 
 
 def test_penalties_wait_for_the_previous_tokens(tiny_v4_checkpoint, monkeypatch):

@@ -15,7 +15,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.core.cuda_graphs import DecodeGraphs
-from deepinfer.core.forward_batch import StepInputs
+from deepinfer.core.step_inputs import StepInputs
 from deepinfer.plugins.manager import registered
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
@@ -32,9 +32,8 @@ def _run(llm):
 
 
 def _padded_eagerly(llm) -> int:
+    """Counts the engine's padded steps (``cuda_graphs="padded-eager"``)."""
     engine = llm.engine
-    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
-                                 capture=False)
     calls = 0
     logits = engine.graphs.logits
 
@@ -55,7 +54,7 @@ def _models(tiny_v4_checkpoint):
 def test_padded_decode_matches_unpadded(which, tiny_v4_checkpoint):
     model, args = dict(zip(["v4", "v4.1"], _models(tiny_v4_checkpoint)))[which]
     plain_tokens, plain_logprobs = _run(LLM(model, dtype="float32", device="cpu", **args))
-    padded = LLM(model, dtype="float32", device="cpu", **args)
+    padded = LLM(model, dtype="float32", device="cpu", cuda_graphs="padded-eager", **args)
     calls = _padded_eagerly(padded)
     tokens, logprobs = _run(padded)
     assert calls() >= PARAMS.max_tokens - 1  # every decode step took the padded path
@@ -91,8 +90,8 @@ def test_decode_inputs_fast_path_equals_the_padded_generic_ones(which, tiny_v4_c
         llm._submit(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine = llm.engine
     prefill = engine.scheduler.schedule()
-    engine.scheduler.step_done(prefill)
-    for request, _, _ in prefill:
+    engine.scheduler.update(prefill)
+    for request in prefill.requests:
         request.token_ids.append(11)
     decode = engine.scheduler.schedule()
     builder = engine.batch_builder

@@ -197,18 +197,14 @@ def test_drafting_from_padded_graph_steps_matches_eager_steps(monkeypatch, varle
     host: the drafter stores the step's kept rows and drafts on the device (``propose_on_device``). Drafts and
     acceptance are those of eager synchronous steps, which draft from the host, under confidence scheduling and
     fixed length."""
-    from deepinfer.core.cuda_graphs import DecodeGraphs
-
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", varlen)
     envs.reload()
     prompts = ["def fibonacci(n):", "import os\n", '"""Return the']
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     eager = _embedded(**EXACT)
     expected = eager.generate(prompts, params, use_tqdm=False)
-    padded = _embedded(**EXACT)
+    padded = _embedded(**EXACT, cuda_graphs="padded-eager")
     engine = padded.engine
-    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
-                                 capture=False, tokens_per_request=1 + engine.speculator.max_drafts)
     outputs = padded.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     ours, theirs = engine.speculator.stats, eager.engine.speculator.stats

@@ -97,11 +97,12 @@ def test_hook_deepinfer_mhc_backend(tiny_v4_checkpoint, llm, caplog):
 class Offers:
     @hookimpl
     def deepinfer_drafter(self, config, model):
-        return type("Drafter", (), {"name": "test-drafter"})()
+        # drafts nothing: what a drafter's drafts do is tests/test_speculative_decoding.py's
+        return type("Drafter", (), {"name": "test-drafter", "propose": lambda self, requests, computed: []})()
 
     @hookimpl
     def deepinfer_prefill_truncation(self, config, model_config):
-        return type("Truncation", (), {"name": "test-truncation"})()
+        return type("Truncation", (), {"name": "test-truncation", "replay_start": lambda self, prompt_tokens: 0})()
 
     @hookimpl
     def deepinfer_logits_processor(self, config, tokenizer, vocab_size):
@@ -303,3 +304,30 @@ def test_engine_counters_add_up(tiny_v4_checkpoint, caplog):
     assert counters["steps"] >= 20 and set(counters["cache_usage"]) and all(
         0 <= used <= 1 for used in counters["cache_usage"].values())
     assert "generate: 3 prompts, 144 prompt tokens, 60 generated" in caplog.text
+
+
+def test_the_model_runner_returns_the_sampled_rows_logits(tiny_v4_checkpoint):
+    """The step contract end to end: the scheduler's rows (who samples decided once), the runner's typed result,
+    the scheduler's booking."""
+    from deepinfer.core.model_runner import ForwardOutput
+
+    llm = LLM(str(tiny_v4_checkpoint), dtype="float32", max_num_batched_tokens=8)
+    for prompt in ([5, 6, 7], list(range(3, 15))):
+        llm._submit(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine = llm.engine
+    scheduled = engine.scheduler.schedule()
+    assert [(row.start, row.count, row.samples) for row in scheduled] == [(0, 3, True), (0, 5, False)]
+    forward = engine.runner.forward(scheduled)
+    assert isinstance(forward, ForwardOutput)
+    assert forward.logits.shape == (1, engine.model_config.vocab_size)  # the first request's last prompt token
+    engine.scheduler.update(scheduled)
+    assert [r.num_computed for r in scheduled.requests] == [3, 5]
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_the_step_mode_follows_the_configuration(tiny_v4_checkpoint, asynchronous):
+    from deepinfer.core.steps import DecodeSteps
+
+    llm = LLM(str(tiny_v4_checkpoint), dtype="float32", async_scheduling=asynchronous)
+    assert type(llm.engine.steps) is DecodeSteps and llm.engine.steps.asynchronous is asynchronous
+    assert llm.engine.overlap is None and not llm.engine.steps.in_flight

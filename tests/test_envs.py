@@ -117,3 +117,23 @@ def test_module_prints_the_markdown_table():
     printed = subprocess.run([sys.executable, "-m", "deepinfer.envs"], capture_output=True,
                              text=True, check=True, cwd=Path(__file__).parents[1]).stdout
     assert printed.strip() == envs.markdown_table()
+
+
+def test_engine_features_take_their_defaults_from_the_variables(monkeypatch):
+    """Each feature's variable fills its ``EngineConfig`` field's default when a config is built; an engine
+    argument overrides it, and must be a value the variable could give."""
+    from deepinfer.core.config import EngineConfig
+
+    monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "0")
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    monkeypatch.setenv("DEEPINFER_ENGRAM_TABLES", "HOST")
+    envs.reload()
+    config = EngineConfig()
+    assert (config.async_scheduling, config.num_speculative_tokens, config.engram_tables) == (False, 3, "host")
+    assert config.enable_mtp_varlen is None and not config.batch_invariant
+    assert EngineConfig(async_scheduling=True, enable_mtp_varlen=False).async_scheduling
+    with pytest.raises(ValueError, match=r"engram_tables \(DEEPINFER_ENGRAM_TABLES's value by default\) must be "
+                                         "one of auto, device, host, got 'gpu'"):
+        EngineConfig(engram_tables="gpu")
+    with pytest.raises(ValueError, match="num_speculative_tokens .* must be an integer >= 1, got 0"):
+        EngineConfig(num_speculative_tokens=0)

@@ -19,7 +19,7 @@ from deepinfer.core.model_source import DEFAULT_MODEL, EMBEDDED_MODEL, EMBEDDED_
 from deepinfer.core.checkpoint import INDEX_FILE, CheckpointIndex
 from deepinfer.core.weights import load_state_dict
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, YarnConfig, inv_freq
-from deepinfer.models.deepseek_v4.weight_names import canonical_name, expert_slot, split_fused_experts
+from deepinfer.models.deepseek_v4.weight_names import canonical_name, expert_slot, naming, split_fused_experts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_HF = dict(
@@ -64,7 +64,7 @@ def config(hf_dir):
 
 @pytest.fixture(scope="module")
 def loaded(hf_dir, config):
-    return load_state_dict(hf_dir, expected_spec(config))
+    return load_state_dict(hf_dir, expected_spec(config), naming=naming())
 
 
 def expected_spec(c: DeepseekV4ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -164,22 +164,22 @@ def test_original_and_in_memory_namings_load_identically(hf_model, config, loade
     original["mtp.0.e_proj.weight"] = torch.zeros(4, 4)  # MTP tensors are skipped, not errors
     (tmp_path / "original").mkdir()
     save_file(original, str(tmp_path / "original" / "model.safetensors"))
-    assert_same(load_state_dict(tmp_path / "original", expected_spec(config)), loaded)
+    assert_same(load_state_dict(tmp_path / "original", expected_spec(config), naming=naming()), loaded)
     (tmp_path / "in_memory").mkdir()
     save_file(hf_model.state_dict(), str(tmp_path / "in_memory" / "model.safetensors"))
-    assert_same(load_state_dict(tmp_path / "in_memory", expected_spec(config)), loaded)
+    assert_same(load_state_dict(tmp_path / "in_memory", expected_spec(config), naming=naming()), loaded)
 
 
 def test_sharded_checkpoint_with_index(config, loaded, tmp_path):
     files = save_sharded(original_named(loaded), tmp_path / "sharded")
     assert CheckpointIndex.from_dir(tmp_path / "sharded").files == files
-    assert_same(load_state_dict(tmp_path / "sharded", expected_spec(config)), loaded)
+    assert_same(load_state_dict(tmp_path / "sharded", expected_spec(config), naming=naming()), loaded)
 
 
 def test_load_casts_to_expected_dtype(hf_dir, config, loaded):
     spec = {n: (shape, torch.bfloat16 if dtype.is_floating_point else torch.int32)
             for n, (shape, dtype) in expected_spec(config).items()}
-    as_bf16 = load_state_dict(hf_dir, spec)
+    as_bf16 = load_state_dict(hf_dir, spec, naming=naming())
     assert as_bf16["layers.0.ffn.gate.tid2eid"].dtype == torch.int32
     assert torch.equal(as_bf16["layers.2.ffn.experts.w2.weight"], loaded["layers.2.ffn.experts.w2.weight"].bfloat16())
 
@@ -191,7 +191,7 @@ def test_mismatches_are_reported_together_with_their_files(config, loaded, tmp_p
     broken["layers.2.attn.bogus.weight"] = torch.zeros(2)
     save_sharded(broken, tmp_path / "broken")
     with pytest.raises(ValueError) as caught:
-        load_state_dict(tmp_path / "broken", expected_spec(config))
+        load_state_dict(tmp_path / "broken", expected_spec(config), naming=naming())
     message = str(caught.value)
     assert "missing tensors (2)" in message and "unexpected tensors (1)" in message
     assert "layers.0.attn.wq_a.weight" in message and "layers.1.ffn.experts.3.w2.weight" in message

@@ -19,6 +19,7 @@ assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Tri
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
+from deepinfer.core.config import EngineConfig  # noqa: E402
 from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.fp8_rounding import act_quant, fp8_rounded  # noqa: E402
@@ -176,8 +177,8 @@ def test_plugin_answers_only_on_cuda():
     for hook in (plugin.deepinfer_linear_backend, plugin.deepinfer_moe_backend):
         assert hook(config=None, device=torch.device("cpu")) is None
     if CUDA:
-        assert isinstance(plugin.deepinfer_linear_backend(config=None, device=DEVICE), TritonLinear)
-        assert isinstance(plugin.deepinfer_moe_backend(config=None, device=DEVICE), TritonMoE)
+        assert isinstance(plugin.deepinfer_linear_backend(config=EngineConfig(), device=DEVICE), TritonLinear)
+        assert isinstance(plugin.deepinfer_moe_backend(config=EngineConfig(), device=DEVICE), TritonMoE)
 
 
 def test_deep_gemm_is_asked_only_for_its_recipe():

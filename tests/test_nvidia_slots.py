@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.forward_batch import StepInputs  # noqa: E402
+from deepinfer.core.step_inputs import StepInputs  # noqa: E402
 from deepinfer.core.slots import SlotLayout, padded_slots  # noqa: E402
 from deepinfer_nvidia.slots import padded_slots as triton_padded_slots  # noqa: E402
 

@@ -17,10 +17,10 @@ import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.core import speculation
-from deepinfer.core.cuda_graphs import DecodeGraphs
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
-from test_speculative_decoding import GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, _assert_same, _reference, _run
+from deepinfer.testing.oracle_drafts import (GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, assert_same,
+                                             continuations, generate_with)
 
 
 class DeviceOracleDrafter(OracleDrafter):
@@ -61,16 +61,14 @@ def _overlapped(checkpoint, prompts, params, drafter, max_num_seqs=8, **engine_a
     outputs, the engine, and how many steps were launched first of a run and following another."""
     engine_args.setdefault("dtype", "float32")
     with registered(DrafterPlugin(drafter), "oracle-drafts"):
-        llm = LLM(str(checkpoint), max_num_seqs=max_num_seqs, **engine_args)
+        llm = LLM(str(checkpoint), max_num_seqs=max_num_seqs, cuda_graphs="padded-eager", **engine_args)
     engine = llm.engine
-    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, max_num_seqs,
-                                 engine.max_model_len, capture=False, tokens_per_request=1 + engine.speculator.max_drafts)
     return llm.generate(prompts, params, use_tqdm=False), engine, engine.overlap.launches
 
 
 @pytest.fixture(scope="module")
 def greedy_v4(tiny_v4_checkpoint):
-    return _run(tiny_v4_checkpoint, PROMPTS, GREEDY)[0]
+    return generate_with(tiny_v4_checkpoint, PROMPTS, GREEDY)[0]
 
 
 @pytest.mark.parametrize("wrong_at", [None, 0, 1, 2, 3, 4])
@@ -78,10 +76,11 @@ def test_greedy_output_and_counters_match_the_synchronous_verification(tiny_v4_c
     """Every draft position forced wrong in turn: the following step's rows start wherever the rejection left the
     request, which the host learns only a step later."""
     outputs, engine, launches = _overlapped(tiny_v4_checkpoint, PROMPTS, GREEDY,
-                                            DeviceOracleDrafter(_reference(greedy_v4), wrong_at=wrong_at))
-    _assert_same(outputs, greedy_v4)
+                                            DeviceOracleDrafter(continuations(greedy_v4), wrong_at=wrong_at))
+    assert_same(outputs, greedy_v4)
     assert launches["following"] >= 2 and launches["following"] > launches["first"]
-    synchronous, _ = _run(tiny_v4_checkpoint, PROMPTS, GREEDY, OracleDrafter(_reference(greedy_v4), wrong_at))
+    drafter = OracleDrafter(continuations(greedy_v4), wrong_at)
+    synchronous, _ = generate_with(tiny_v4_checkpoint, PROMPTS, GREEDY, drafter)
     ours = [(o.metrics.num_drafts, o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in outputs]
     assert ours == [(o.metrics.num_drafts, o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens)
                     for o in synchronous]
@@ -92,11 +91,11 @@ def test_seeded_sampling_offsets_its_noise_positions_on_the_device(tiny_v4_check
     """seq_seed noise is keyed by output position, which a following step only knows on the device. min_tokens
     holds the requests in synchronous steps first (its blocking is decided on the host)."""
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seq_seed=7, ignore_eos=True, min_tokens=3)
-    expected, _ = _run(tiny_v4_checkpoint, PROMPTS, params)
+    expected, _ = generate_with(tiny_v4_checkpoint, PROMPTS, params)
     for wrong_at in (None, 1):
         outputs, _, launches = _overlapped(tiny_v4_checkpoint, PROMPTS, params,
-                                           DeviceOracleDrafter(_reference(expected), wrong_at))
-        _assert_same(outputs, expected)
+                                           DeviceOracleDrafter(continuations(expected), wrong_at))
+        assert_same(outputs, expected)
         assert launches["following"] > 0
 
 
@@ -106,10 +105,10 @@ def test_v41_engram_history_follows_on_the_device():
     prompts = ["def fibonacci(n):", "import os\n", '"""Return the']
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     exact = dict(quantization="none")
-    expected, _ = _run("deepinfer-tiny-v4.1", prompts, params, **exact)
+    expected, _ = generate_with("deepinfer-tiny-v4.1", prompts, params, **exact)
     outputs, _, launches = _overlapped("deepinfer-tiny-v4.1", prompts, params,
-                                       DeviceOracleDrafter(_reference(expected), wrong_at=2), **exact)
-    _assert_same(outputs, expected)
+                                       DeviceOracleDrafter(continuations(expected), wrong_at=2), **exact)
+    assert_same(outputs, expected)
     assert launches["following"] > launches["first"]
 
 
@@ -121,14 +120,14 @@ def test_stops_inside_a_block_and_limits_while_a_step_is_in_flight(tiny_v4_check
              SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[second.token_ids[6]], ignore_eos=True),
              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
     for params in cases:
-        expected, _ = _run(tiny_v4_checkpoint, PROMPTS, params)
+        expected, _ = generate_with(tiny_v4_checkpoint, PROMPTS, params)
         outputs, _, launches = _overlapped(tiny_v4_checkpoint, PROMPTS, params,
-                                           DeviceOracleDrafter(_reference(greedy_v4), length=50))
-        _assert_same(outputs, expected)
+                                           DeviceOracleDrafter(continuations(greedy_v4), length=50))
+        assert_same(outputs, expected)
         assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outputs] == [
             (o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in expected]
         assert launches["following"] > 0
-    short, _, _ = _overlapped(tiny_v4_checkpoint, PROMPTS[:1], GREEDY, DeviceOracleDrafter(_reference(greedy_v4)),
+    short, _, _ = _overlapped(tiny_v4_checkpoint, PROMPTS[:1], GREEDY, DeviceOracleDrafter(continuations(greedy_v4)),
                               max_model_len=12)
     assert len(short[0].prompt_token_ids) + len(short[0].outputs[0].token_ids) == 12
 
@@ -139,11 +138,11 @@ def test_admissions_and_preemption_fall_back_to_synchronous_steps(tiny_v4_checkp
     prompts = PROMPTS + ["x = [", "# compute the sum of squares of a list of numbers\n" * 3, PROMPTS[0]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine_args = dict(num_cache_tokens=160, block_size=16, enable_prefix_caching=True)
-    expected, _ = _run(tiny_v4_checkpoint, prompts, params, max_num_seqs=2, **engine_args)
+    expected, _ = generate_with(tiny_v4_checkpoint, prompts, params, max_num_seqs=2, **engine_args)
     outputs, engine, launches = _overlapped(tiny_v4_checkpoint, prompts, params,
-                                            DeviceOracleDrafter(_reference(expected), wrong_at=3), max_num_seqs=2,
+                                            DeviceOracleDrafter(continuations(expected), wrong_at=3), max_num_seqs=2,
                                             **engine_args)
-    _assert_same(outputs, expected)
+    assert_same(outputs, expected)
     assert launches["following"] > 0 and launches["first"] >= 3
     assert engine.overlap.inflight is None and not engine.scheduler.has_work()
 
@@ -173,7 +172,7 @@ def test_overlapped_steps_replay_cuda_graphs_as_eager_steps_run(tiny_v4_checkpoi
     before give the eager synchronous steps' tokens, logprobs and counters."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
     nvidia = pytest.importorskip("deepinfer_nvidia.plugin")
-    drafter = DeviceOracleDrafter(_reference(greedy_v4), wrong_at=2)
+    drafter = DeviceOracleDrafter(continuations(greedy_v4), wrong_at=2)
     with registered(nvidia, "nvidia"), registered(DrafterPlugin(drafter), "oracle-drafts"):
         eager = LLM(str(tiny_v4_checkpoint), dtype="float32", enforce_eager=True)
         expected = eager.generate(PROMPTS, params, use_tqdm=False)
@@ -181,7 +180,7 @@ def test_overlapped_steps_replay_cuda_graphs_as_eager_steps_run(tiny_v4_checkpoi
         replayed = llm.generate(PROMPTS, params, use_tqdm=False)
     engine = llm.engine
     assert engine.graphs is not None and engine.graphs.graphs and engine.overlap.launches["following"] > 0
-    _assert_same(replayed, expected)
+    assert_same(replayed, expected)
     assert eager.engine.overlap.launches["following"] == 0  # no graphs, no overlap
     ours, theirs = engine.speculator.stats, eager.engine.speculator.stats
     assert (ours.num_drafts, ours.num_draft_tokens, ours.num_accepted_tokens) == (
@@ -203,11 +202,8 @@ def test_mtp_drafts_on_the_device_as_on_the_host(tmp_path_factory, monkeypatch):
     runs = []
     for overlapped in (False, True):
         with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
-            llm = LLM(str(checkpoint), dtype="float32")
+            llm = LLM(str(checkpoint), dtype="float32", **({"cuda_graphs": "padded-eager"} if overlapped else {}))
         engine, drafter, proposed = llm.engine, llm.engine.speculator.drafter, {}
-        if overlapped:
-            engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
-                                         capture=False, tokens_per_request=4)
         host, device = drafter.propose, drafter.propose_on_device
 
         def on_host(requests, computed, host=host, proposed=proposed):

@@ -17,6 +17,7 @@ import parallel_fault_plugin
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.core.config import EngineConfig
 from deepinfer.parallel.context_parallel import zigzag_owners
+from deepinfer.parallel.ranks import Ranks
 from deepinfer.plugins.manager import load_plugins, pm, registered
 
 TESTS = Path(__file__).parent
@@ -214,3 +215,13 @@ def test_experts_must_divide_over_the_ranks():
     # 8 experts + 1 replica cannot be split evenly over 2 ranks
     with pytest.raises(ValueError, match="divide evenly by 2"):
         LLM("deepinfer-tiny-v4.1", **ENGINE, **{**MODES["eplb"], "num_redundant_experts": 1})
+
+
+def test_a_spawned_rank_makes_only_the_calls_it_serves(monkeypatch):
+    """Rank 0 mirrors a call by its name; a spawned rank looks it up in its table of calls, never by attribute."""
+    said = iter([("generate", (1, 2)), ("_generate_on_ranks", ()), ("close", ())])
+    monkeypatch.setattr(Ranks, "_broadcast", lambda self, obj=None: next(said))
+    ranks, made = Ranks(1, 2, 1, torch.device("cpu"), None, None), []
+    with pytest.raises(RuntimeError, match="mirrored '_generate_on_ranks', which a spawned rank does not serve"):
+        ranks.serve({"generate": lambda *args: made.append(args)})
+    assert made == [(1, 2)]

@@ -14,7 +14,10 @@ from deepinfer import envs
 from deepinfer.plugins import (PluginError, call_all, check_pending, hookimpl, list_plugins,
                                load_entry_point_plugins, load_plugins, manager, pm, registered,
                                select_backend, select_optional_backend)
+from deepinfer.llm import LLM
+from deepinfer.plugins.builtin.torch_attention import TorchAttention
 from deepinfer.plugins.interfaces import SamplerOutput, SamplingBatch
+from deepinfer.plugins.manager import checked
 
 TESTS_DIR = Path(__file__).parent
 EXAMPLE_PLUGIN_DIR = TESTS_DIR / "example_plugin"
@@ -283,3 +286,48 @@ HOOK_TESTS = {name for path in TESTS_DIR.rglob("test_*.py")
 @pytest.mark.parametrize("hook_name", HOOK_NAMES)
 def test_every_hook_has_a_test(hook_name):
     assert f"test_hook_{hook_name}" in HOOK_TESTS, f"no test named test_hook_{hook_name} under tests/"
+
+
+def test_entry_points_are_asked_by_declared_priority_not_by_name_or_selection(install, monkeypatch):
+    """A device plugin declares a higher DEEPINFER_PRIORITY than a feature plugin, so it is asked first even when
+    its name sorts first or DEEPINFER_PLUGINS lists it first."""
+    install("a_device", {"a_device": "a_device"}, ATTENTION_MODULE + "DEEPINFER_PRIORITY = 10\n")
+    install("z_feature", {"z_feature": "z_feature"}, ATTENTION_MODULE)
+    for selection in ("a_device,z_feature", "z_feature,a_device"):
+        set_plugins_variable(monkeypatch, selection)
+        assert load_entry_point_plugins() == ["z_feature", "a_device"]  # the latest registration is asked first
+        assert select_attention()[1] == "a_device"
+        for name in ("a_device", "z_feature"):
+            pm.unregister(name=name)
+
+
+def test_a_priority_that_is_not_an_int_is_an_error(install, monkeypatch):
+    install("odd", {"odd": "odd"}, ATTENTION_MODULE + "DEEPINFER_PRIORITY = 'high'\n")
+    set_plugins_variable(monkeypatch, "odd")
+    with pytest.raises(PluginError, match="plugin 'odd': DEEPINFER_PRIORITY must be an int, got 'high'"):
+        load_entry_point_plugins()
+
+
+def test_device_plugins_outrank_feature_plugins(monkeypatch):
+    for backend in ("nvidia", "ascend"):  # importable without their accelerators; not pip-installed on a CPU host
+        monkeypatch.syspath_prepend(str(TESTS_DIR.parent / "backends" / backend))
+    import deepinfer_ascend.plugin
+    import deepinfer_batch_invariant.plugin
+    import deepinfer_nvidia.plugin
+
+    feature = getattr(deepinfer_batch_invariant.plugin, manager.PRIORITY_ATTRIBUTE, 0)
+    assert deepinfer_nvidia.plugin.DEEPINFER_PRIORITY > feature < deepinfer_ascend.plugin.DEEPINFER_PRIORITY
+
+
+def test_a_backend_without_a_method_of_its_protocol_is_refused_when_the_engine_selects_it(tiny_v4_checkpoint):
+    class HalfAttention:
+        @hookimpl
+        def deepinfer_attention_backend(self, device):
+            return SimpleNamespace(name="half", graph_safe=True, sparse_attention=lambda *args: None)
+
+    with registered(HalfAttention(), "half"), pytest.raises(
+            PluginError, match="plugin 'half' serves deepinfer_attention_backend with a SimpleNamespace that lacks "
+                               "compress_pool, store_compressor_rows, rotate, .*, indexer_scores of AttentionBackend"):
+        LLM(str(tiny_v4_checkpoint), dtype="float32")
+    reference = TorchAttention()
+    assert checked("deepinfer_attention_backend", (reference, "builtin")) == (reference, "builtin")

@@ -18,90 +18,26 @@ import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.core import speculation
-from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
+from deepinfer.testing.oracle_drafts import (GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, assert_same,
+                                             continuations, generate_with)
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
-PROMPTS = ["import os", "def f(x):", "class A:\n    pass\n" * 3]
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seq_seed=7,
                         repetition_penalty=1.3, presence_penalty=1.5, min_tokens=10)
 
 
-class OracleDrafter:
-    """Proposes the reference continuation, wrong at draft position ``wrong_at`` (None: always right); requests
-    whose prompt is in ``skip`` get no draft; ``confidence`` is handed out with every draft."""
-
-    name = "oracle"
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], wrong_at=None, skip=(), confidence=None,
-                 length=5):
-        self.reference, self.wrong_at, self.skip = reference, wrong_at, set(skip)
-        self.confidence, self.length = confidence, length
-        self.batches: list[list[int]] = []  # the requests asked for, per step
-
-    def propose(self, requests, computed):
-        drafts = []
-        self.batches.append([len(r.token_ids) for r in requests])
-        for r in requests:
-            prompt = tuple(r.prompt_token_ids)
-            if prompt in self.skip:
-                drafts.append(Draft([]))
-                continue
-            done = r.num_output_tokens
-            tokens = list(self.reference[prompt][done : done + self.length])
-            if self.wrong_at is not None and self.wrong_at < len(tokens):
-                tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % 64
-            drafts.append(Draft(tokens, None if self.confidence is None else list(self.confidence(r))))
-        return drafts
-
-
-class DrafterPlugin:
-    def __init__(self, drafter):
-        self.drafter = drafter
-
-    @hookimpl
-    def deepinfer_drafter(self, config, model):
-        return self.drafter
-
-
-def _run(checkpoint, prompts, params, drafter=None, plugin="oracle-drafts", **engine_args):
-    engine_args.setdefault("dtype", "float32")
-    if drafter is None:
-        llm = LLM(str(checkpoint), **engine_args)
-        return llm.generate(prompts, params, use_tqdm=False), llm
-    with registered(DrafterPlugin(drafter), plugin):
-        llm = LLM(str(checkpoint), **engine_args)
-        return llm.generate(prompts, params, use_tqdm=False), llm
-
-
-def _reference(outputs) -> dict[tuple[int, ...], list[int]]:
-    return {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outputs}
-
-
-def _assert_same(outputs, expected, logprob_tolerance=1e-4):
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
-    assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in expected]
-    for ours, theirs in zip(outputs, expected):
-        if theirs.outputs[0].logprobs is None:
-            continue
-        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
-            assert a.keys() == b.keys()
-            worst = max(abs(a[t].logprob - b[t].logprob) for t in a)
-            assert worst <= logprob_tolerance, f"a logprob moved by {worst:.2e}"
-
-
 @pytest.fixture(scope="module")
 def greedy_v4(tiny_v4_checkpoint):
-    return _run(tiny_v4_checkpoint, PROMPTS, GREEDY)[0]
+    return generate_with(tiny_v4_checkpoint, PROMPTS, GREEDY)[0]
 
 
 @pytest.mark.parametrize("wrong_at", [None, 0, 1, 2, 3, 4])
 def test_greedy_output_is_unchanged_whichever_draft_position_is_wrong(tiny_v4_checkpoint, greedy_v4, wrong_at):
-    drafter = OracleDrafter(_reference(greedy_v4), wrong_at=wrong_at)
-    outputs, llm = _run(tiny_v4_checkpoint, PROMPTS, GREEDY, drafter)
-    _assert_same(outputs, greedy_v4)
+    drafter = OracleDrafter(continuations(greedy_v4), wrong_at=wrong_at)
+    outputs, llm = generate_with(tiny_v4_checkpoint, PROMPTS, GREEDY, drafter)
+    assert_same(outputs, greedy_v4)
     stats = llm.engine.speculator.stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts
     per_position = stats.accepted_per_position
@@ -121,25 +57,26 @@ def test_v41_with_engram_is_unchanged_by_drafts():
     prompts = ["def fibonacci(n):", "import os\n"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     exact = dict(quantization="none")  # FP8 activation rounding would amplify multi-row last-bit differences
-    expected, _ = _run("deepinfer-tiny-v4.1", prompts, params, **exact)
+    expected, _ = generate_with("deepinfer-tiny-v4.1", prompts, params, **exact)
     for wrong_at in (None, 2):
-        outputs, llm = _run("deepinfer-tiny-v4.1", prompts, params, OracleDrafter(_reference(expected), wrong_at),
-                            **exact)
-        _assert_same(outputs, expected)
+        drafter = OracleDrafter(continuations(expected), wrong_at)
+        outputs, llm = generate_with("deepinfer-tiny-v4.1", prompts, params, drafter, **exact)
+        assert_same(outputs, expected)
         assert llm.engine.speculator.stats.num_drafts > 0
 
 
 def test_seeded_sampling_is_identical_with_drafts(tiny_v4_checkpoint):
     """Verification samples each row with the noise, penalties and min_tokens blocking of the output position it
     stands for, so seq_seed output does not change, right drafts or wrong."""
-    expected, _ = _run(tiny_v4_checkpoint, PROMPTS, SEEDED)
+    expected, _ = generate_with(tiny_v4_checkpoint, PROMPTS, SEEDED)
     for wrong_at in (None, 1):
-        outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, SEEDED, OracleDrafter(_reference(expected), wrong_at))
-        _assert_same(outputs, expected)
+        drafter = OracleDrafter(continuations(expected), wrong_at)
+        outputs, _ = generate_with(tiny_v4_checkpoint, PROMPTS, SEEDED, drafter)
+        assert_same(outputs, expected)
     # n = 2: each sample has its own noise key; the drafts follow sample 0, so sample 1's are mostly rejected
     two = SamplingParams(temperature=0.8, max_tokens=12, seq_seed=7, n=2, ignore_eos=True)
-    expected, _ = _run(tiny_v4_checkpoint, PROMPTS, two)
-    outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, two, OracleDrafter(_reference(expected)))
+    expected, _ = generate_with(tiny_v4_checkpoint, PROMPTS, two)
+    outputs, _ = generate_with(tiny_v4_checkpoint, PROMPTS, two, OracleDrafter(continuations(expected)))
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs] for o in expected]
     assert any(o.outputs[0].token_ids != o.outputs[1].token_ids for o in expected)
 
@@ -150,10 +87,10 @@ def test_min_tokens_blocks_a_stop_token_up_to_the_right_draft(tiny_v4_checkpoint
     greedy = greedy_v4[0].outputs[0].token_ids
     first = next(k for k in (4, 5, 6) if greedy[k] not in greedy[:k])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[greedy[first]], min_tokens=4)
-    expected, _ = _run(tiny_v4_checkpoint, PROMPTS[:1], params)
+    expected, _ = generate_with(tiny_v4_checkpoint, PROMPTS[:1], params)
     assert expected[0].outputs[0].token_ids == greedy[: first + 1] and expected[0].outputs[0].finish_reason == "stop"
-    outputs, _ = _run(tiny_v4_checkpoint, PROMPTS[:1], params, OracleDrafter(_reference(greedy_v4)))
-    _assert_same(outputs, expected)
+    outputs, _ = generate_with(tiny_v4_checkpoint, PROMPTS[:1], params, OracleDrafter(continuations(greedy_v4)))
+    assert_same(outputs, expected)
 
 
 def test_stop_strings_and_stop_tokens_inside_a_verified_block(tiny_v4_checkpoint, greedy_v4):
@@ -164,9 +101,9 @@ def test_stop_strings_and_stop_tokens_inside_a_verified_block(tiny_v4_checkpoint
              SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[second.token_ids[6]], ignore_eos=True),
              SamplingParams(temperature=0, max_tokens=16, stop=[first.text[5:8]], include_stop_str_in_output=True)]
     for params in cases:
-        expected, _ = _run(tiny_v4_checkpoint, PROMPTS, params)
-        outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, params, OracleDrafter(_reference(greedy_v4)))
-        _assert_same(outputs, expected)
+        expected, _ = generate_with(tiny_v4_checkpoint, PROMPTS, params)
+        outputs, _ = generate_with(tiny_v4_checkpoint, PROMPTS, params, OracleDrafter(continuations(greedy_v4)))
+        assert_same(outputs, expected)
         assert [o.outputs[0].finish_reason for o in outputs] == [o.outputs[0].finish_reason for o in expected]
         assert [o.outputs[0].stop_reason for o in outputs] == [o.outputs[0].stop_reason for o in expected]
     assert any(o.outputs[0].finish_reason == "stop" for o in expected)
@@ -178,10 +115,10 @@ def test_chunked_prefill_preemption_and_prefix_caching_with_drafts(tiny_v4_check
     engine_args = dict(max_num_batched_tokens=12, num_cache_tokens=128, block_size=16, enable_prefix_caching=True)
     prompts = PROMPTS + ["x = [", "# compute the sum of squares of a list of numbers\n" * 3, PROMPTS[0]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected, _ = _run(tiny_v4_checkpoint, prompts, params, **engine_args)
-    drafter = OracleDrafter(_reference(expected), wrong_at=3, skip=[tuple(expected[1].prompt_token_ids)])
-    outputs, llm = _run(tiny_v4_checkpoint, prompts, params, drafter, **engine_args)
-    _assert_same(outputs, expected)
+    expected, _ = generate_with(tiny_v4_checkpoint, prompts, params, **engine_args)
+    drafter = OracleDrafter(continuations(expected), wrong_at=3, skip=[tuple(expected[1].prompt_token_ids)])
+    outputs, llm = generate_with(tiny_v4_checkpoint, prompts, params, drafter, **engine_args)
+    assert_same(outputs, expected)
     assert llm.engine.scheduler.num_preemptions > 0
     assert outputs[1].metrics.num_drafts == 0 and outputs[0].metrics.num_drafts > 0
 
@@ -193,19 +130,20 @@ def test_a_host_only_drafter_verifies_before_the_next_step_whatever_the_overlap_
     resolves each step first, and says so (test_overlapped_speculation.py covers drafters that have it)."""
     monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", asynchronous)
     envs.reload()
-    outputs, llm = _run(tiny_v4_checkpoint, PROMPTS, GREEDY, OracleDrafter(_reference(greedy_v4), wrong_at=1))
-    _assert_same(outputs, greedy_v4)
-    assert not llm.engine.async_scheduling and llm.engine._inflight is None and llm.engine.overlap is None
+    drafter = OracleDrafter(continuations(greedy_v4), wrong_at=1)
+    outputs, llm = generate_with(tiny_v4_checkpoint, PROMPTS, GREEDY, drafter)
+    assert_same(outputs, greedy_v4)
+    assert not llm.engine.async_scheduling and not llm.engine.steps.in_flight and llm.engine.overlap is None
     assert ("drafter oracle drafts only from the host's tokens" in caplog.text) == (asynchronous == "1")
 
 
 def test_drafts_never_run_past_max_tokens_or_max_model_len(tiny_v4_checkpoint, greedy_v4):
-    drafter = OracleDrafter(_reference(greedy_v4), length=50)
+    drafter = OracleDrafter(continuations(greedy_v4), length=50)
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
-    outputs, _ = _run(tiny_v4_checkpoint, PROMPTS, params, drafter)
+    outputs, _ = generate_with(tiny_v4_checkpoint, PROMPTS, params, drafter)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [7] * 3
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    short, _ = _run(tiny_v4_checkpoint, PROMPTS[:1], GREEDY, drafter, max_model_len=9)
+    short, _ = generate_with(tiny_v4_checkpoint, PROMPTS[:1], GREEDY, drafter, max_model_len=9)
     assert len(short[0].prompt_token_ids) + len(short[0].outputs[0].token_ids) == 9
 
 
@@ -219,9 +157,9 @@ def test_confidence_scheduling_verifies_a_different_length_per_request(tiny_v4_c
 
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     envs.reload()
-    drafter = OracleDrafter(_reference(greedy_v4), confidence=confidence)
-    outputs, llm = _run(tiny_v4_checkpoint, PROMPTS[:2], GREEDY, drafter, plugin="mtp")  # the switch's plugin
-    _assert_same(outputs, greedy_v4[:2])
+    drafter = OracleDrafter(continuations(greedy_v4), confidence=confidence)
+    outputs, llm = generate_with(tiny_v4_checkpoint, PROMPTS[:2], GREEDY, drafter, plugin="mtp")  # the switch's plugin
+    assert_same(outputs, greedy_v4[:2])
     by_prompt = {tuple(o.prompt_token_ids): o.metrics for o in outputs}
     assert by_prompt[unsure].num_draft_tokens == by_prompt[unsure].num_drafts  # one token each time
     assert by_prompt[sure].num_draft_tokens > 3 * by_prompt[sure].num_drafts
@@ -252,11 +190,11 @@ def test_a_drafter_answering_for_the_wrong_requests_is_an_error(tiny_v4_checkpoi
             return []
 
     with pytest.raises(RuntimeError, match="drafter short returned 0 drafts for 1 requests"):
-        _run(tiny_v4_checkpoint, PROMPTS[:1], GREEDY, Short())
+        generate_with(tiny_v4_checkpoint, PROMPTS[:1], GREEDY, Short())
 
 
 def test_metrics_are_logged(tiny_v4_checkpoint, greedy_v4, caplog):
-    _run(tiny_v4_checkpoint, PROMPTS, GREEDY, OracleDrafter(_reference(greedy_v4), wrong_at=2))
+    generate_with(tiny_v4_checkpoint, PROMPTS, GREEDY, OracleDrafter(continuations(greedy_v4), wrong_at=2))
     assert "speculative decoding: drafter oracle (plugin oracle-drafts), up to 5 drafts per step" in caplog.text
     assert "acceptance rate by position [1.000, 1.000, 0.000" in caplog.text
 
@@ -267,12 +205,12 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_v4_checkpoint):
     samples only), against samples without drafts (a chi-square two-sample test over the most frequent tokens;
     p > 0.001 fails one run in a thousand)."""
     params = SamplingParams(temperature=0.3, max_tokens=3, ignore_eos=True, n=400)
-    plain, _ = _run(tiny_v4_checkpoint, ["import os"], params, seed=1)
+    plain, _ = generate_with(tiny_v4_checkpoint, ["import os"], params, seed=1)
     # drafts: each position's most frequent token, so some are accepted whatever came before
     common = [Counter(c.token_ids[i] for c in plain[0].outputs).most_common(1)[0] for i in range(3)]
     assert common[1][1] >= 40, common  # drafts accepted often enough to matter, rejected often enough too
     reference = {tuple(plain[0].prompt_token_ids): [token for token, _ in common]}
-    drafted, llm = _run(tiny_v4_checkpoint, ["import os"], params, OracleDrafter(reference), seed=2)
+    drafted, llm = generate_with(tiny_v4_checkpoint, ["import os"], params, OracleDrafter(reference), seed=2)
     assert 0 < llm.engine.speculator.stats.num_accepted_tokens < llm.engine.speculator.stats.num_draft_tokens
     for position in (1, 2):
         a = Counter(c.token_ids[position] for c in plain[0].outputs)
@@ -311,18 +249,15 @@ def test_verification_steps_padded_for_cuda_graphs_match(which, tiny_v4_checkpoi
     """Verification steps replay CUDA graphs too: each request's last token and drafts padded to 1 + max drafts
     rows (positions after its own, rewritten later like rejected drafts). On a CPU the padded steps run eagerly
     (``capture=False``) and must give the tokens and logprobs of decoding without drafts."""
-    from deepinfer.core.cuda_graphs import DecodeGraphs
-
     model, args = {"v4": (tiny_v4_checkpoint, {}), "v4.1": (V41_FIXTURE, {"quantization": "none"})}[which]
     prompts = [[5, 9, 13], list(range(3, 40)), [7] * 18]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
-    expected, _ = _run(model, prompts, params, **args)
-    with registered(DrafterPlugin(OracleDrafter(_reference(expected), wrong_at=2, skip=[tuple(prompts[2])])),
+    expected, _ = generate_with(model, prompts, params, **args)
+    with registered(DrafterPlugin(OracleDrafter(continuations(expected), wrong_at=2, skip=[tuple(prompts[2])])),
                     "oracle-drafts"):
-        llm = LLM(str(model), dtype="float32", **args)
+        llm = LLM(str(model), dtype="float32", cuda_graphs="padded-eager", **args)
     engine = llm.engine
-    engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
-                                 capture=False, tokens_per_request=6)
+    assert engine.graphs.tokens_per_request == 6
     padded_steps = []
     logits = engine.graphs.logits
     engine.graphs.logits = lambda scheduled, **kw: padded_steps.append(len(scheduled)) or logits(scheduled, **kw)
@@ -331,7 +266,7 @@ def test_verification_steps_padded_for_cuda_graphs_match(which, tiny_v4_checkpoi
     # a near-tie among them (as in test_cuda_graphs' padded decode): the tokens stay the same, logprobs move ~1e-3
     # on a CPU, up to 7.3e-3 on the H200 (the torch reference's CUDA kernels, 2026-12-02)
     flipped = 1e-2 if torch.cuda.is_available() else 2e-3
-    _assert_same(outputs, expected, logprob_tolerance=1e-4 if which == "v4" else flipped)
+    assert_same(outputs, expected, logprob_tolerance=1e-4 if which == "v4" else flipped)
     assert len(padded_steps) >= 5 and engine.speculator.stats.num_accepted_tokens > 0
 
 
@@ -340,11 +275,11 @@ def test_verification_graphs_replay_as_eager_steps_run(tiny_v4_checkpoint, greed
     """On a GPU with the NVIDIA plugin: verification steps captured and replayed give the eager steps' tokens."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
     nvidia = pytest.importorskip("deepinfer_nvidia.plugin")
-    drafter = OracleDrafter(_reference(greedy_v4), wrong_at=2)
+    drafter = OracleDrafter(continuations(greedy_v4), wrong_at=2)
     with registered(nvidia, "nvidia"), registered(DrafterPlugin(drafter), "oracle-drafts"):
         eager = LLM(str(tiny_v4_checkpoint), dtype="float32", enforce_eager=True).generate(PROMPTS, GREEDY,
                                                                                           use_tqdm=False)
         llm = LLM(str(tiny_v4_checkpoint), dtype="float32")
         replayed = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.graphs is not None and llm.engine.graphs.graphs
-    _assert_same(replayed, eager)
+    assert_same(replayed, eager)

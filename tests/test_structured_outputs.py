@@ -130,9 +130,9 @@ def test_masks_are_filled_while_the_forward_pass_runs_with_the_same_outputs(llm,
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), _params("regex", REGEXES[0], **SAMPLED)]
     prompts = PROMPTS + PROMPTS[:1]
     engine, events = llm.engine, []
-    build, resolve = engine.batch_builder.build, engine._resolve
+    build, resolve = engine.batch_builder.build, engine.steps.resolve
     monkeypatch.setattr(engine.batch_builder, "build", lambda *a: events.append("launch") or build(*a))
-    monkeypatch.setattr(engine, "_resolve", lambda: events.append("resolve") or resolve())
+    monkeypatch.setattr(engine.steps, "resolve", lambda: events.append("resolve") or resolve())
     overlapped = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert events[:3] == ["launch", "launch", "resolve"]  # step 2 launched before step 1's tokens were resolved
 

@@ -172,3 +172,19 @@ def test_the_suffix_must_also_cover_rolled_back_drafts(monkeypatch):
             _llm("compact", monkeypatch, keep=68)
         llm = _llm("compact", monkeypatch, keep=69)
     assert llm.engine.truncation is not None and llm.engine.speculator is not None
+
+
+def test_engine_arguments_switch_it_as_the_variables_do(text_ids, monkeypatch):
+    """``prefill_truncation_mode`` and ``prefill_keep_tokens`` are engine arguments whose defaults the variables
+    fill: given as arguments they replay the same rows, whatever the environment says."""
+    prompts = [text_ids[:300]]
+    by_variables = _llm("compact", monkeypatch)
+    expected = by_variables.generate(prompts, GREEDY, use_tqdm=False)
+    with registered(importlib.import_module("deepinfer_swa_replay.plugin"), "swa_replay"):
+        by_arguments = LLM("deepinfer-tiny-v4.1", prefill_truncation_mode="compact", prefill_keep_tokens=KEEP,
+                           **EXACT)
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "off")
+    envs.reload()  # read once, when a config is built: later changes reach only later engines
+    rows = _decoder_rows(by_arguments)
+    _same(by_arguments.generate(prompts, GREEDY, use_tqdm=False), expected)
+    assert by_arguments.engine.truncation is not None and rows[0] == [300, KEEP]

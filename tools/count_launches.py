@@ -24,7 +24,6 @@ from torch.profiler import profile, record_function
 from triton.runtime import interpreter
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core.cuda_graphs import DecodeGraphs
 from deepinfer.plugins import hookimpl
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.manager import registered
@@ -83,10 +82,8 @@ def main() -> None:
     prompt = [list(range(3, 3 + length))]
     with registered(_triton_on_cpu(), "triton_on_cpu"):
         dtype = next((a for a in sys.argv[1:] if not a.startswith("--")), "bfloat16")
-        llm = LLM(str(checkpoint), dtype=dtype, device="cpu")
-        engine = llm.engine  # decode steps padded as for a CUDA graph, run eagerly
-        engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len,
-                                     capture=False)
+        # decode steps padded as for a CUDA graph, run eagerly
+        llm = LLM(str(checkpoint), dtype=dtype, device="cpu", cuda_graphs="padded-eager")
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         ranges = {}
 

@@ -36,6 +36,7 @@ def bench_load(out: Path, synth: Path) -> dict:
 
 
 def dummy(synth: Path) -> dict:
+    from deepinfer.core.config import EngineConfig
     from deepinfer.models.loader import load_model
     from deepinfer.models.registry import model_config
     from deepinfer.plugins.builtin.torch_attention import TorchAttention
@@ -47,7 +48,8 @@ def dummy(synth: Path) -> dict:
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     model = load_model(config, synth, attention=TorchAttention(), moe=TorchMoE(), linear=TorchLinear(),
-                       mhc=TorchMHC(), dtype=config.dtype, device=torch.device("cuda"), load_format="dummy")
+                       mhc=TorchMHC(), dtype=config.dtype, device=torch.device("cuda"), load_format="dummy",
+                       engram_tables=EngineConfig().engram_tables)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

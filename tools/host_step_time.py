@@ -42,8 +42,8 @@ def main() -> None:
         builder = engine.batch_builder
         print(f"{batch} x {prompt} prefill: inputs {_ms(lambda: builder.inputs(prefill), 5):.2f} ms, "
               f"derive on the CPU {_ms(lambda: builder.derive(builder.inputs(prefill)), 3):.1f} ms")
-        engine.scheduler.step_done(prefill)
-        for request, _, _ in prefill:  # as if the prefill had run and sampled: the next step decodes
+        engine.scheduler.update(prefill)
+        for request in prefill.requests:  # as if the prefill had run and sampled: the next step decodes
             request.token_ids.append(3)
         decode = engine.scheduler.schedule()
         shape = DecodeGraphs(engine.model, engine.cache, builder, batch, engine.max_model_len, capture=False)._shape(decode)

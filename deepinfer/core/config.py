@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from deepinfer import envs
 from deepinfer.core.devices import resolve_device
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -16,6 +17,30 @@ _QUANTIZATION = ("auto", "none")
 _LOAD_FORMATS = ("auto", "dummy")
 # auto: attention KV rows in the model's dtype; fp8: DeepSeek-V4's FP8 layout (deepinfer.core.fp8_kv), 584 bytes a row
 _KV_CACHE_DTYPES = ("auto", "fp8")
+# auto: decode steps replay captured CUDA graphs on CUDA (unless enforce_eager); padded-eager: on any device they are
+# padded as a graph replays them but run eagerly, which is how CPU tests run the graph paths' code
+_CUDA_GRAPHS = ("auto", "padded-eager")
+
+
+def _from_environment(variable: str):
+    """A field whose default is the documented variable's value (``deepinfer/envs.py``), read when the config is
+    built: the one place the engine's features take their defaults from the environment."""
+    return field(default_factory=lambda: getattr(envs.get(), variable), metadata={"variable": variable})
+
+
+def _check_variable_field(name: str, value, variable: envs.EnvVar) -> None:
+    """A value given for a field that a variable defaults must be one that variable could give."""
+    if variable.kind == "bool":
+        ok = isinstance(value, bool) or (value is None and variable.default is None)
+    elif variable.kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool) and (variable.minimum is None
+                                                                          or value >= variable.minimum)
+    else:
+        ok = value in variable.choices
+    if not ok:
+        unset = " or None" if variable.default is None else ""
+        raise ValueError(f"{name} ({variable.name}'s value by default) must be {variable.allowed()}{unset}, "
+                         f"got {value!r}")
 
 
 @dataclass(slots=True)
@@ -36,6 +61,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 4.0
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    cuda_graphs: str = "auto"
     seed: int = 0
     # parallelism (deepinfer.parallel): ranks = data_parallel_size; experts sharded over them when
     # enable_expert_parallel, placed by measured load when enable_eplb
@@ -45,6 +71,17 @@ class EngineConfig:
     enable_eplb: bool = False
     num_redundant_experts: int = 0
     eplb_step_interval: int = 256
+    # the device family and the features, each defaulting to its DEEPINFER_* variable (what each means: the
+    # README's table of variables).
+    accelerator: str = _from_environment("DEEPINFER_ACCELERATOR")
+    # speculative decoding: None off, True confidence-scheduled draft lengths, False fixed length
+    enable_mtp_varlen: bool | None = _from_environment("DEEPINFER_ENABLE_MTP_VARLEN")
+    num_speculative_tokens: int = _from_environment("DEEPINFER_USE_NEXTN_DECODE")
+    prefill_truncation_mode: str = _from_environment("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
+    prefill_keep_tokens: int = _from_environment("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")
+    batch_invariant: bool = _from_environment("DEEPINFER_BATCH_INVARIANT")
+    async_scheduling: bool = _from_environment("DEEPINFER_ASYNC_SCHEDULING")
+    engram_tables: str = _from_environment("DEEPINFER_ENGRAM_TABLES")
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -55,6 +92,12 @@ class EngineConfig:
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES} (fp8: DeepSeek-V4's 584-byte FP8 "
                              f"attention rows), got {self.kv_cache_dtype!r}")
+        if self.cuda_graphs not in _CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs must be one of {_CUDA_GRAPHS} (padded-eager: decode steps padded as CUDA "
+                             f"graphs replay them, run eagerly), got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "padded-eager" and self.context_parallel_size > 1:
+            raise ValueError("cuda_graphs='padded-eager' pads steps as graphs do, and context parallelism splits a "
+                             "step by its requests, which a padded step does not: use one or the other")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.device not in _DEVICES and not str(self.device).startswith(("cuda:", "npu:")):
@@ -85,6 +128,15 @@ class EngineConfig:
                              "experts are replicas EPLB places by measured load)")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        variables = {variable.name: variable for variable in envs.VARIABLES}
+        for f in fields(self):
+            if "variable" in f.metadata:
+                _check_variable_field(f.name, getattr(self, f.name), variables[f.metadata["variable"]])
+
+    @staticmethod
+    def variable_of(name: str) -> str:
+        """The DEEPINFER_* variable a field takes its default from."""
+        return next(f.metadata["variable"] for f in fields(EngineConfig) if f.name == name)
 
     @property
     def world_size(self) -> int:
@@ -103,5 +155,5 @@ class EngineConfig:
         """``auto`` keeps the checkpoint's dtype (its ``torch_dtype``)."""
         return checkpoint_dtype if self.dtype == "auto" else _DTYPES[self.dtype]
 
-    def torch_device(self, accelerator: str) -> torch.device:
-        return resolve_device(self.device, accelerator)
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device, self.accelerator)

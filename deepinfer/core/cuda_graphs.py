@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.core.forward_batch import ForwardBatchBuilder, PaddedShape, StepInputs, real_rows
+from deepinfer.core.forward_batch import ForwardBatchBuilder
 from deepinfer.core.kv_cache import KVCache
+from deepinfer.core.scheduled import ScheduledBatch
+from deepinfer.core.step_inputs import PaddedShape, StepInputs, real_rows
 from deepinfer.core.transfer import to_device
 from deepinfer.logger import init_logger
 
@@ -100,17 +102,16 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def fits(self, scheduled) -> bool:
+    def fits(self, scheduled: ScheduledBatch) -> bool:
         """Decode steps only (each request's last token, and its drafts) and no more requests than the largest
         graph."""
         q = self.tokens_per_request
-        return len(scheduled) <= self.sizes[-1] and all(n <= q and start + n == len(r.token_ids)
-                                                       for r, start, n in scheduled)
+        return len(scheduled) <= self.sizes[-1] and all(row.count <= q and row.samples for row in scheduled)
 
-    def _shape(self, scheduled) -> PaddedShape:
+    def _shape(self, scheduled: ScheduledBatch) -> PaddedShape:
         q = self.tokens_per_request
         size = self.padded_requests(len(scheduled))
-        longest = max(start + q for _, start, _ in scheduled)  # the padding rows' positions too
+        longest = max(row.start + q for row in scheduled)  # the padding rows' positions too
         context = 1 << (longest - 1).bit_length()
         if q == 1:
             context = min(max(MIN_CONTEXT, context), self.max_model_len)
@@ -120,14 +121,15 @@ class DecodeGraphs:
         return PaddedShape(size * q, blocks, {r: -(-context // r) for r in self.ratios},
                            self.cache.scratch_rows, q)
 
-    def logits(self, scheduled, before_launch=lambda inputs: None) -> torch.Tensor:
+    def logits(self, scheduled: ScheduledBatch, before_launch=lambda inputs: None) -> torch.Tensor:
         """Next-token logits of the scheduled tokens, in step order. ``before_launch`` gets the step's inputs
         (``StepInputs``) where the forward pass will read them, before it runs (asynchronous scheduling completes
         them there)."""
         hidden, features = self._replay(scheduled, before_launch, False, None)
         return self._real_rows(scheduled, hidden, features)
 
-    def with_tail(self, scheduled, tail: StepTail, before_launch, values_on_device: bool) -> tuple[torch.Tensor, ...]:
+    def with_tail(self, scheduled: ScheduledBatch, tail: StepTail, before_launch, values_on_device: bool
+                  ) -> tuple[torch.Tensor, ...]:
         """The step's forward pass, the vocabulary projection of every row (padding included) and ``tail``, as
         one graph: returns ``tail.run``'s outputs, the graph's own tensors (its next replay rewrites them).
         ``values_on_device``: see ``ForwardBatchBuilder.inputs``."""
@@ -137,7 +139,7 @@ class DecodeGraphs:
         """The batch size of the graph that runs ``requests`` requests."""
         return next(s for s in self.sizes if s >= requests)
 
-    def _replay(self, scheduled, before_launch, values_on_device: bool, tail: StepTail | None):
+    def _replay(self, scheduled: ScheduledBatch, before_launch, values_on_device: bool, tail: StepTail | None):
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape, values_on_device)
         if tail is not None:
@@ -157,7 +159,8 @@ class DecodeGraphs:
         captured.graph.replay()
         return captured.outputs
 
-    def _real_rows(self, scheduled, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+    def _real_rows(self, scheduled: ScheduledBatch, hidden: torch.Tensor, features: torch.Tensor | None
+                   ) -> torch.Tensor:
         """The real rows' logits, in step order; their features (a drafter's input) go where the drafter reads
         them. One token per request: a slice, no index to copy in the decode step."""
         rows = (slice(0, len(scheduled)) if self.tokens_per_request == 1 else

@@ -11,15 +11,14 @@ its static inputs.
 from __future__ import annotations
 
 import dataclasses
-
-import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from deepinfer.core.scheduled import ScheduledBatch
 from deepinfer.core.slots import SlotLayout, padded_slots, slot_of, window_positions
-from deepinfer.core.transfer import to_device
+from deepinfer.core.step_inputs import PaddedShape, StepInputs, pad_rows, real_rows, scatter_rows
 
 
 @dataclass(slots=True)
@@ -87,128 +86,11 @@ class DecoderReplay:
     batch: ForwardBatch
 
 
-@dataclass(slots=True)
-class StepInputs:
-    """What the host sends for one step. Tensors (and dicts of tensors) travel; the ints fix the derived shapes."""
-
-    token_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    owner: torch.Tensor  # [T] row of each token's request in ``tables``
-    logits_rows: torch.Tensor  # [B]
-    tables: dict[str, torch.Tensor]  # cache kind -> [R, blocks] block ids, -1 where a request has none
-    close_tokens: dict[int, torch.Tensor]  # ratio -> tokens whose window closes; empty dict: every token (padded)
-    extras: dict[str, torch.Tensor]
-    candidates: dict[int, int]  # ratio -> candidate columns
-    scratch_rows: dict[str, int] | None = None  # padded batches: writes with no slot go to these rows
-    # SWA bounded replay: the rows the window-only decoder layers run on, and for each the first position its
-    # decoder window may see (its request's replay start); None: every row, nothing hidden
-    replay_rows: torch.Tensor | None = None
-    replay_floor: torch.Tensor | None = None
-    # what work captured after the forward pass reads (``cuda_graphs.StepTail``), per padded request
-    tail: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def _tensors(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                yield f.name, None, value
-            elif isinstance(value, dict) and value and isinstance(next(iter(value.values())), torch.Tensor):
-                yield from ((f.name, key, t) for key, t in value.items())
-
-    def to(self, device) -> "StepInputs":
-        return self.map(lambda t: to_device(t, device))
-
-    def map(self, fn) -> "StepInputs":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        moved.update({name: dict(moved[name]) for name in ("tables", "close_tokens", "extras", "tail")})
-        for name, key, t in self._tensors():
-            t = fn(t)
-            if key is None:
-                moved[name] = t
-            else:
-                moved[name][key] = t
-        return StepInputs(**moved)
-
-    def packed_like(self, device, pin_memory: bool = False) -> tuple[torch.Tensor, "StepInputs"]:
-        """An empty byte buffer on ``device`` and inputs shaped like these whose tensors are views into it (each
-        at a 16-byte boundary): a captured graph's static inputs and their staging copy travel as one copy."""
-        spans = [-(-t.nbytes // 16) * 16 for _, _, t in self._tensors()]
-        flat = torch.empty(sum(spans), dtype=torch.uint8, device=device, pin_memory=pin_memory)
-        starts = iter(itertools.accumulate(spans, initial=0))
-        views = self.map(lambda t: flat[(start := next(starts)):start + t.nbytes].view(t.dtype).view(t.shape))
-        return flat, views
-
-    def copy_(self, source: "StepInputs") -> None:
-        """Overwrite these tensors in place (a staging buffer; a captured graph's static inputs) with ``source``'s;
-        device-bound copies from pinned memory run without the host waiting."""
-        for (_, _, target), (_, _, value) in zip(self._tensors(), source._tensors(), strict=True):
-            target.copy_(value, non_blocking=True)
-
-
-@dataclass(slots=True)
-class PaddedShape:
-    """The fixed shapes of a captured decode graph: ``num_tokens`` rows, ``tokens_per_request`` per request
-    (padded requests own an empty block-table row), ``blocks`` table columns and ``candidates`` columns per
-    compression ratio. Padded requests attend to nothing and write their rows to each pool's scratch row
-    (``KVCache.scratch_rows``), as do real tokens whose compression window does not close in this step.
-
-    With speculative decoding a request has its last token and its drafts, padded to ``tokens_per_request`` with
-    tokens at the positions after them. Those positions are past everything the request has computed: whatever is
-    written there is rewritten when the position is computed for real (as for rejected drafts), and the context
-    bucket covers them, so no position is folded onto another's row."""
-
-    num_tokens: int
-    blocks: int
-    candidates: dict[int, int]
-    scratch_rows: dict[str, int]
-    tokens_per_request: int = 1
-
-    def pad(self, inputs: StepInputs) -> StepInputs:
-        if inputs.logits_rows.shape[0] != inputs.token_ids.shape[0] or self.tokens_per_request != 1:
-            raise ValueError("a padded (CUDA-graph) batch must sample every token: one-token decode steps only")
-        n = self.num_tokens
-        tables = {}
-        for kind, table in inputs.tables.items():
-            table = table[:, : self.blocks]  # blocks past the context bucket hold no position this step reads
-            tables[kind] = _pad_rows(torch.nn.functional.pad(table, (0, self.blocks - table.shape[1]), value=-1), n, -1)
-        return StepInputs(
-            token_ids=_pad_rows(inputs.token_ids, n, 0),
-            positions=_pad_rows(inputs.positions, n, 0),
-            owner=torch.arange(n),
-            logits_rows=torch.arange(n),
-            tables=tables,
-            close_tokens={},
-            extras={name: _pad_rows(t, n, 0) for name, t in inputs.extras.items()},  # zeros: padded rows are ignored
-            candidates=self.candidates,
-            scratch_rows=self.scratch_rows,
-        )
-
-
-def real_rows(scheduled, tokens_per_request: int) -> torch.Tensor:
-    """Rows of a padded step's tokens that are the scheduled ones, in their order: request i's n tokens come
-    first in its ``tokens_per_request`` rows."""
-    return torch.tensor([i * tokens_per_request + j for i, (_, _, n) in enumerate(scheduled) for j in range(n)],
-                        dtype=torch.int64)
-
-
-def scatter_rows(t: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[num_rows, ...] zeros with ``t``'s rows at ``rows``, copied as bytes (Engram's FP8 rows have no index_copy)."""
-    out = torch.zeros((num_rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    out.view(torch.uint8).index_copy_(0, rows, t.contiguous().view(torch.uint8))
-    return out
-
-
 def _rows_of(meta: CompressedMeta, rows: torch.Tensor) -> CompressedMeta:
     """What readers of compressed entries see for ``rows``: their candidates. Decoder layers own no compressor,
     so nothing is written there."""
     return CompressedMeta(meta.ratio, meta.overlap, meta.state_slots[:0], meta.candidates[rows],
                           meta.close_rows[:0], meta.close_slots[:0], meta.close_positions[:0])
-
-
-def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
 
 
 def _int64(values: list[int]) -> torch.Tensor:
@@ -217,8 +99,8 @@ def _int64(values: list[int]) -> torch.Tensor:
 
 
 class ForwardBatchBuilder:
-    """Turns the scheduled (request, first position, token count) triples into ``StepInputs`` on the host, and
-    those into slot tensors (``derive``) wherever they are."""
+    """Turns a ``ScheduledBatch`` into ``StepInputs`` on the host, and those into slot tensors (``derive``)
+    wherever they are."""
 
     def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device,
                  token_history: int = 0, host_inputs=None, slot_backend=None):
@@ -231,26 +113,26 @@ class ForwardBatchBuilder:
         # an ``AttentionBackend``: it derives padded steps' slots (``padded_slots``); None: the torch reference
         self.slot_backend = slot_backend
 
-    def build(self, scheduled: list[tuple[object, int, int]]) -> ForwardBatch:
+    def build(self, scheduled: ScheduledBatch) -> ForwardBatch:
         inputs = self.inputs(scheduled)
         return self.derive(inputs if self.device is None else inputs.to(self.device))
 
     # -- host side ----------------------------------------------------------------------------
-    def inputs(self, scheduled: list[tuple[object, int, int]], padded: PaddedShape | None = None,
+    def inputs(self, scheduled: ScheduledBatch, padded: PaddedShape | None = None,
                values_on_device: bool = False) -> StepInputs:
         """``values_on_device``: a padded step whose token ids and token history the device writes before it runs
         (overlapped speculative decoding: the host does not have them yet); they are sent as zeros."""
-        if padded is not None and all(n <= padded.tokens_per_request for _, _, n in scheduled):
+        if padded is not None and all(row.count <= padded.tokens_per_request for row in scheduled):
             return self._padded_decode_inputs(scheduled, padded, values_on_device)
-        requests = [r for r, _, _ in scheduled]
-        positions = torch.cat([torch.arange(start, start + n) for _, start, n in scheduled])
-        owner = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(scheduled)])
-        token_ids = torch.tensor([t for r, start, n in scheduled for t in r.token_ids[start : start + n]])
+        requests = scheduled.requests
+        positions = torch.cat([torch.arange(row.start, row.end) for row in scheduled])
+        owner = torch.cat([torch.full((row.count,), i) for i, row in enumerate(scheduled)])
+        token_ids = torch.tensor([t for row in scheduled for t in row.request.token_ids[row.start:row.end]])
         logits_rows, end = [], 0
-        for r, start, n in scheduled:  # a request's last token, and each draft (speculative decoding) to verify
-            end += n
-            if start + n == len(r.token_ids):
-                logits_rows.extend(range(end - 1 - min(r.num_drafts, n - 1), end))
+        for row in scheduled:  # a request's last token, and each draft (speculative decoding) to verify
+            end += row.count
+            if row.samples:
+                logits_rows.extend(range(end - 1 - row.drafts, end))
         replay_rows, replay_floor = self._replay(scheduled)
         ends = positions + 1
         # a padded batch has fixed candidate widths and closes a row per token: only unpadded ones need these
@@ -273,14 +155,16 @@ class ForwardBatchBuilder:
     def _replay(self, scheduled) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decoder layers' rows and window floors, when some request's replay start hides a row or a row's
         window from them; (None, None) otherwise (every decode step: its window lies past the replay start)."""
-        if all(not r.replay_start or start - self.layout.window + 1 >= r.replay_start for r, start, _ in scheduled):
+        if all(not row.request.replay_start or row.start - self.layout.window + 1 >= row.request.replay_start
+               for row in scheduled):
             return None, None
         rows, floors, first = [], [], 0
-        for r, start, n in scheduled:
-            kept = min(max(start, r.replay_start), start + n)
-            rows.append(torch.arange(first + kept - start, first + n))
-            floors.append(torch.full((start + n - kept,), r.replay_start))
-            first += n
+        for row in scheduled:
+            replay_start = row.request.replay_start
+            kept = min(max(row.start, replay_start), row.end)
+            rows.append(torch.arange(first + kept - row.start, first + row.count))
+            floors.append(torch.full((row.end - kept,), replay_start))
+            first += row.count
         return torch.cat(rows), torch.cat(floors)
 
     def _padded_decode_inputs(self, scheduled, padded: PaddedShape, values_on_device: bool) -> StepInputs:
@@ -291,29 +175,30 @@ class ForwardBatchBuilder:
         q, blocks = padded.tokens_per_request, padded.blocks
         requests = padded.num_tokens // q
         token_ids, positions = [], []
-        for r, start, n in scheduled:
-            token_ids += [0] * q if values_on_device else r.token_ids[start:start + n] + [0] * (q - n)
-            positions += range(start, start + q)
+        for row in scheduled:
+            ids = row.request.token_ids
+            token_ids += [0] * q if values_on_device else ids[row.start:row.end] + [0] * (q - row.count)
+            positions += range(row.start, row.start + q)
         pad = [0] * (padded.num_tokens - len(token_ids))
         tables = {}
         for kind in self.layout.rows_per_block:
             flat = []
-            for r, _, _ in scheduled:
-                row = r.tables.get(kind, ())[:blocks]
-                flat += row
-                flat += [-1] * (blocks - len(row))
+            for r in scheduled.requests:
+                table = r.tables.get(kind, ())[:blocks]
+                flat += table
+                flat += [-1] * (blocks - len(table))
             flat += [-1] * (blocks * (requests - len(scheduled)))
             tables[kind] = _int64(flat).view(requests, blocks)
         extras = {}
         if self.token_history and values_on_device:
             real = self.host_inputs(torch.zeros(len(token_ids), dtype=torch.int64),
                                     torch.zeros(len(token_ids), self.token_history, dtype=torch.int64))
-            extras = {name: _pad_rows(t, padded.num_tokens, 0) for name, t in real.items()}
+            extras = {name: pad_rows(t, padded.num_tokens, 0) for name, t in real.items()}
         elif self.token_history:  # computed for the real tokens; padded rows are ignored (zeros)
-            real = self.host_inputs(_int64([t for r, s, n in scheduled for t in r.token_ids[s:s + n]]),
+            real = self.host_inputs(_int64([t for row in scheduled for t in row.request.token_ids[row.start:row.end]]),
                                     self._history(scheduled))
             if q == 1:  # the real rows come first
-                extras = {name: _pad_rows(t, padded.num_tokens, 0) for name, t in real.items()}
+                extras = {name: pad_rows(t, padded.num_tokens, 0) for name, t in real.items()}
             else:
                 rows = real_rows(scheduled, q)
                 extras = {name: scatter_rows(t, rows, padded.num_tokens) for name, t in real.items()}
@@ -335,14 +220,14 @@ class ForwardBatchBuilder:
         # one tensor from padded lists: per-request tensors cost more host time than the rest of the step
         return torch.tensor([[*blocks, *(-1,) * (width - len(blocks))] for blocks in rows], dtype=torch.int64)
 
-    def _history(self, scheduled) -> torch.Tensor:
+    def _history(self, scheduled: ScheduledBatch) -> torch.Tensor:
         """[T, h]: the ``h`` ids before each scheduled token, -1 before its sequence's start; one tensor from
         lists (a tensor per request cost a decode step at batch 64 more than the rest of its inputs)."""
         h = self.token_history
         flat = []
-        for request, start, n in scheduled:
-            ids = request.token_ids
-            for p in range(start, start + n):
+        for row in scheduled:
+            ids = row.request.token_ids
+            for p in range(row.start, row.end):
                 flat += ids[p - h:p] if p >= h else [-1] * (h - p) + ids[:p]
         return _int64(flat).view(-1, h)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.core.request import Request
+from deepinfer.core.scheduled import ScheduledBatch
 from deepinfer.core.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
 
@@ -43,17 +44,17 @@ class InFlight:
         host = SamplerOutput(*(to_host(getattr(sampled, name)) for name in SamplerOutput.__dataclass_fields__))
         return cls(requests, positions, sampled.token_ids, host, started, clock.event())
 
-    def fill(self, scheduled, token_ids: torch.Tensor) -> None:
+    def fill(self, scheduled: ScheduledBatch, token_ids: torch.Tensor) -> None:
         """Writes this step's sampled tokens into ``token_ids`` (the next step's inputs, on the device) where the
         host still has placeholders for them."""
         placeholders = {id(r): (row, pos) for row, (r, pos) in enumerate(zip(self.requests, self.positions))}
         index, source, offset = [], [], 0
-        for request, start, count in scheduled:
-            row, pos = placeholders.get(id(request), (None, -1))
-            if start <= pos < start + count:
-                index.append(offset + pos - start)
+        for rows in scheduled:
+            row, pos = placeholders.get(id(rows.request), (None, -1))
+            if rows.start <= pos < rows.end:
+                index.append(offset + pos - rows.start)
                 source.append(row)
-            offset += count
+            offset += rows.count
         if not index:
             return
         if index == source == list(range(len(index))):  # the steady state: the same requests, one row each

@@ -21,9 +21,9 @@ inputs, so one graph serves every batch with the same sampling flags.
 A following step is launched only in the steady state, where nothing about it depends on the unknown count: the
 same requests as the step before (none added), each with room for a full step whatever was accepted, every step
 padded to ``1 + max_drafts`` rows per request (the CUDA graphs' shape), none needing its tokens on the host
-(grammars, penalties, host-side Engram tables). Otherwise the host first resolves the step in flight and the
-engine schedules and runs the next one itself: the first step of a steady run (from the host's drafts) is again
-launched here when it qualifies.
+(grammars, penalties, host-side Engram tables). Otherwise the host first resolves the step in flight, and the
+next step is scheduled as usual and runs as a synchronous verification step (``steps.SpeculativeSteps``): the
+first step of a steady run (from the host's drafts) is again launched here when it qualifies.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ import torch
 from deepinfer.core.cuda_graphs import StepTail
 from deepinfer.core.output_processor import host_lists
 from deepinfer.core.request import Request
+from deepinfer.core.scheduled import ScheduledBatch
 from deepinfer.core.sampling_batch import SamplingFlags, device_sampling_batch, sample_seed
 from deepinfer.core.speculation import accepted_on_device, survival_floor, verified_lengths_on_device
+from deepinfer.core.steps import SpeculativeSteps, StepContext
 from deepinfer.core.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
 
@@ -86,7 +88,7 @@ class _Outcome:
 
 @dataclass(slots=True)
 class SpeculativeInFlight:
-    requests: list[Request]
+    batch: ScheduledBatch
     positions: torch.Tensor  # [B] on the device: each request's first position in the step
     history: torch.Tensor | None  # [B, h + rows] token ids from ``h`` positions before the first row (Engram)
     outcome: _Outcome  # on the device (a CUDA graph's output: read before the graph's next replay rewrites it)
@@ -100,20 +102,33 @@ class SpeculativeInFlight:
         self.ready = None
         return self.host.tolist(), self.logprobs
 
+    @property
+    def requests(self) -> list[Request]:
+        return self.batch.requests
+
 
 class OverlappedSpeculation:
-    def __init__(self, engine):
-        self.engine = engine
-        self.speculator = engine.speculator
+    """A step mode (``core/steps.py``): steady runs of verification steps stay on the device; every other step
+    is one of ``synchronous``'s."""
+
+    def __init__(self, context: StepContext, synchronous: SpeculativeSteps, max_model_len: int):
+        self.context, self.synchronous = context, synchronous
+        self.runner = context.runner
+        self.speculator = synchronous.speculator
+        self.max_model_len = max_model_len
         self.rows = 1 + self.speculator.max_drafts
         self.inflight: SpeculativeInFlight | None = None
         self.launches = Counter()  # "first" of a steady run, "following" a step in flight
 
+    @property
+    def in_flight(self) -> bool:
+        return self.inflight is not None
+
     def step(self) -> list[Request]:
-        e, previous = self.engine, self.inflight
+        context, previous = self.context, self.inflight
         if previous is not None:
             scheduled = self._schedule_after(previous)
-            e._clock.lap("schedule")
+            context.clock.lap("schedule")
             if scheduled is not None:
                 self.inflight = self._launch(scheduled, previous)
                 return self._resolve(previous)
@@ -121,12 +136,12 @@ class OverlappedSpeculation:
             self.inflight = None
         else:
             finished = []
-        scheduled = e.scheduler.schedule()
-        e._clock.lap("schedule")
+        scheduled = context.scheduler.schedule()
+        context.clock.lap("schedule")
         if scheduled and self._can_launch(scheduled):
             self.inflight = self._launch(scheduled, None)
             return finished
-        return finished + e._run(scheduled)
+        return finished + self.synchronous.run(scheduled)
 
     # -- which steps ------------------------------------------------------------------------------
     def _device_ready(self, request: Request) -> bool:
@@ -135,41 +150,25 @@ class OverlappedSpeculation:
         return (request.grammar is None and not (p.presence_penalty or p.frequency_penalty)
                 and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
 
-    def _can_launch(self, scheduled) -> bool:
+    def _can_launch(self, scheduled: ScheduledBatch) -> bool:
         """The first step of a steady run: a verification step of decoding requests only, from the host's drafts."""
-        graphs = self.engine.graphs
-        return (graphs is not None and graphs.fits(scheduled) and not self.engine.model.needs_host_tokens
-                and all(self._device_ready(r) for r, _, _ in scheduled))
+        return (self.runner.replays(scheduled) and not self.runner.model.needs_host_tokens
+                and all(self._device_ready(r) for r in scheduled.requests))
 
-    def _schedule_after(self, previous: SpeculativeInFlight) -> list[tuple[Request, int, int]] | None:
-        """The next step of a steady run, at each request's latest possible start (every draft accepted), with
-        blocks for it; None where the host must first see ``previous``'s result."""
-        e, rows = self.engine, self.rows
+    def _schedule_after(self, previous: SpeculativeInFlight) -> ScheduledBatch | None:
+        """The next step of a steady run (``Scheduler.schedule_ahead``); None where the host must first see
+        ``previous``'s result."""
         requests = [r for r in previous.requests if not r.finished]
-        scheduler = e.scheduler
-        if (not requests or len(requests) != len(scheduler.running) or len(requests) > e.graphs.sizes[-1]
-                or (scheduler.waiting and len(scheduler.running) < scheduler.limits.max_num_seqs)):
+        if len(requests) > self.runner.graphs.sizes[-1] or not all(self._device_ready(r) for r in requests):
             return None
-        for r in requests:
-            # ``r`` is booked up to ``previous``'s start, and ``previous`` emits at least one token: is one left?
-            left = min(r.params.max_tokens - r.num_output_tokens, e.max_model_len - r.num_computed - 1)
-            if left < 2 or not self._device_ready(r):
-                return None
-        scheduled = []
-        for r in requests:
-            start = r.num_computed + rows
-            if not e.blocks.reserve(r.tables, r.num_computed, start + rows):
-                return None
-            scheduled.append((r, start, rows))
-        return scheduled
+        return self.context.scheduler.schedule_ahead(requests, self.rows)
 
     # -- the device's side ------------------------------------------------------------------------
-    def _launch(self, scheduled, previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
-        e, rows, clock = self.engine, self.rows, self.engine._clock
-        device, count = e.device, len(scheduled)
-        requests = [r for r, _, _ in scheduled]
-        e.step_metrics.steps += 1
-        e.totals.steps += 1
+    def _launch(self, scheduled: ScheduledBatch, previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
+        rows, clock, runner = self.rows, self.context.clock, self.runner
+        device, count = runner.device, len(scheduled)
+        requests = scheduled.requests
+        self.context.count_step()
         self.launches["following" if previous is not None else "first"] += 1
         if previous is not None:
             index = {id(r): i for i, r in enumerate(previous.requests)}
@@ -178,8 +177,8 @@ class OverlappedSpeculation:
             positions = previous.positions[source] + accepted + 1
         else:
             source = None
-            positions = to_device(torch.tensor([start for _, start, _ in scheduled], dtype=torch.int64), device)
-        flags = SamplingFlags.of([r.params for r in requests], e.model_config.vocab_size)
+            positions = to_device(torch.tensor([row.start for row in scheduled], dtype=torch.int64), device)
+        flags = SamplingFlags.of([r.params for r in requests], runner.vocab_size)
         tail = StepTail(lambda logits, inputs: self._tail(logits, inputs, flags),
                         self._tail_inputs(requests, previous is None), ("verification", flags))
         step = {}
@@ -196,20 +195,20 @@ class OverlappedSpeculation:
             step["history"] = self._history(inputs, previous, source, tokens)
             step["started"] = clock.event()
 
-        packed, *logprobs = e.graphs.with_tail(scheduled, tail, complete, values_on_device=previous is not None)
+        packed, *logprobs = runner.forward_with_tail(scheduled, tail, complete, values_on_device=previous is not None)
         outcome = _Outcome(packed[:count], rows)
         logprobs = SamplerOutput(None, *(None if t is None else to_host(t[:count * rows]) for t in logprobs))
         clock.lap("forward")
-        return SpeculativeInFlight(requests, positions, step["history"], outcome, to_host(outcome.packed),
+        return SpeculativeInFlight(scheduled, positions, step["history"], outcome, to_host(outcome.packed),
                                    logprobs, step["started"], clock.event())
 
     def _tail_inputs(self, requests: list[Request], first: bool) -> dict[str, torch.Tensor]:
         """What the step's tail reads per request (``_tail``), padded to the graph's batch: sampling parameters,
         the survival floor, prompt lengths (to number the output positions), the drafts verified (a following
         step's come from the device), the drafter's slots and where each request must end."""
-        e, s = self.engine, self.speculator
+        s = self.speculator
         params = [r.params for r in requests]
-        pad = e.graphs.padded_requests(len(requests)) - len(requests)
+        pad = self.runner.graphs.padded_requests(len(requests)) - len(requests)
 
         def padded(values: list, fill) -> list:  # the graph's padding requests: greedy, unseeded, nothing to verify
             return values + [fill] * pad
@@ -218,7 +217,7 @@ class OverlappedSpeculation:
                  else 0.0)
         floats = [padded([p.temperature for p in params], 0.0), padded([p.top_p for p in params], 1.0),
                   padded([p.min_p for p in params], 0.0), padded([floor] * len(requests), floor)]
-        ends = [min(p.max_tokens + len(r.prompt_token_ids), e.max_model_len) for p, r in zip(params, requests)]
+        ends = [min(p.max_tokens + len(r.prompt_token_ids), self.max_model_len) for p, r in zip(params, requests)]
         ints = [padded([max(p.top_k, 0) for p in params], 0), padded([sample_seed(r) for r in requests], -1),
                 padded([len(r.prompt_token_ids) for r in requests], 0),
                 padded([r.num_drafts if first else 0 for r in requests], 0),
@@ -242,7 +241,7 @@ class OverlappedSpeculation:
         sampling = device_sampling_batch(each_row(temperature), each_row(top_k), each_row(top_p), each_row(min_p),
                                          each_row(seeds), (positions + 1 - prompt_lengths.unsqueeze(1)).flatten(),
                                          flags)
-        sampler_output = self.engine.sampler.sample(logits, sampling)
+        sampler_output = self.runner.sampler.sample(logits, sampling)
         sampled = sampler_output.token_ids.view(-1, rows)
         accepted = accepted_on_device(tokens[:, 1:], sampled, verified)
         first, kept = positions[:, 0], accepted + 1
@@ -276,26 +275,25 @@ class OverlappedSpeculation:
     def _resolve(self, inflight: SpeculativeInFlight) -> list[Request]:
         """Books ``inflight``'s result as the engine's synchronous verification would: stats, tokens and stops,
         progress, and each request's drafts for its next step."""
-        e = self.engine
-        packed, logprobs = inflight.wait(e._clock)
+        context = self.context
+        packed, logprobs = inflight.wait(context.clock)
         rows = [_Outcome.unpack(row, self.rows) for row in packed]
         sampled = host_lists(logprobs)
         sampled["token_ids"] = [token for row in rows for token in row[0]]
-        now, finished, computed = time.monotonic(), [], []
+        now, finished, kept = time.monotonic(), [], {}
         for i, (request, (_, drafts, accepted, verified, length)) in enumerate(zip(inflight.requests, rows)):
             if request.finished:  # found finished by the step before, while this one was in flight
                 continue
             if verified:
                 self.speculator.stats.record(request, verified, accepted)
-            start = request.num_computed
             request.drop_drafts()
             first = i * self.rows
-            if e.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
+            kept[request] = accepted
+            if context.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
                 finished.append(request)
                 continue
-            computed.append((request, start, accepted + 1))
             request.set_drafts(drafts[:length])
-        e.scheduler.step_done(computed)
-        e._finish(finished)
-        e._clock.lap("outputs")
+        context.scheduler.update(inflight.batch, kept, finished)
+        context.count_finished(finished)
+        context.clock.lap("outputs")
         return finished

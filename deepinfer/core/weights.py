@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 from deepinfer.core.checkpoint import CheckpointIndex, StoredTensor, mapped_tensor
 from deepinfer.core.quantization import MX_BLOCK, dequantize, infer_block, logical_shape, scale_shape
-from deepinfer.models.deepseek_v4.weight_names import canonical_name, expert_slot, split_fused_experts
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +77,19 @@ def _expert_name(stacked: str, expert: int) -> str:
     return f"{prefix}.experts.{expert}.{leaf}"
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointNaming:
+    """How a model family's checkpoints name their tensors (each family's ``weight_names.py`` gives one).
+
+    ``canonical``: a stored name -> the model's name, None for a tensor the model does not load. ``split``: a
+    canonical-named tensor -> the canonical tensors it holds (itself, unless it fuses several). ``expert_slot``: a
+    per-expert name -> (the name of the stacked tensor it fills, its expert index), None for other tensors."""
+
+    canonical: Callable[[str], str | None]
+    split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+    expert_slot: Callable[[str], tuple[str, int] | None]
+
+
 @dataclass(slots=True)
 class LoadPlan:
     index: CheckpointIndex
@@ -86,7 +98,7 @@ class LoadPlan:
     copied: list[StoredTensor]  # copied into the model's tensors (read in file order)
     dequantized: set[str]  # checkpoint names of weights/scales dequantized when read
     mapped: list[StoredTensor]  # returned as views of the file
-    canonical: Callable[[str], str | None]
+    naming: CheckpointNaming
     held_experts: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
     def local_slots(self, stacked: str, expert: int) -> list[int]:
@@ -104,7 +116,7 @@ def plan_load(
     model_dir: str | os.PathLike[str],
     expected: dict[str, TensorSpec],
     *,
-    canonical: Callable[[str], str | None] = canonical_name,
+    naming: CheckpointNaming,
     quantizable: set[str] = frozenset(),
     block: tuple[int, int] = (128, 128),
     memory_mapped: Callable[[str], bool] | None = None,
@@ -128,12 +140,12 @@ def plan_load(
             _check_exact(stored, expected, problems)
             mapped.append(stored)
             continue
-        name = canonical(stored.name)
+        name = naming.canonical(stored.name)
         if name is None:
             skipped += 1
             continue
-        for part_name, part in split_fused_experts(name, torch.empty(stored.shape, device="meta")):
-            slot = expert_slot(part_name)
+        for part_name, part in naming.split(name, torch.empty(stored.shape, device="meta")):
+            slot = naming.expert_slot(part_name)
             if slot is None:
                 parts.setdefault(part_name, []).append(_Part(part_name, None, tuple(part.shape), stored))
             for local in [] if slot is None else _local_slots(held_experts or {}, *slot):
@@ -158,7 +170,7 @@ def plan_load(
     problems.missing += [n for n in expected if n not in layout and n not in problems.seen and n not in mapped_names]
     problems.raise_if_any(model_dir)
     copied = list({p.stored.name: p.stored for ps in parts.values() for p in ps}.values())
-    return LoadPlan(index, headers, layout, copied, dequantized, mapped, canonical, held_experts or {})
+    return LoadPlan(index, headers, layout, copied, dequantized, mapped, naming, held_experts or {})
 
 
 def _check_exact(stored: StoredTensor, expected: dict[str, TensorSpec], problems: _Problems) -> None:
@@ -279,8 +291,9 @@ def stream_into(plan: LoadPlan, targets: dict[str, torch.Tensor], progress: bool
 
 def _place(plan: LoadPlan, checkpoint_name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor],
            halves: dict[str, torch.Tensor]) -> None:
-    for name, part in split_fused_experts(plan.canonical(checkpoint_name), tensor):
-        slot = expert_slot(name)
+    naming = plan.naming
+    for name, part in naming.split(naming.canonical(checkpoint_name), tensor):
+        slot = naming.expert_slot(name)
         if checkpoint_name in plan.dequantized:
             base, _, leaf = name.rpartition(".")
             partner = halves.pop(f"{base}.{'scale' if leaf == 'weight' else 'weight'}", None)
@@ -288,7 +301,7 @@ def _place(plan: LoadPlan, checkpoint_name: str, tensor: torch.Tensor, targets: 
                 halves[name] = part
                 continue
             weight, scale = (part, partner) if leaf == "weight" else (partner, part)
-            name, slot = f"{base}.weight", expert_slot(f"{base}.weight")
+            name, slot = f"{base}.weight", naming.expert_slot(f"{base}.weight")
             part = dequantize(weight, scale, targets[name if slot is None else slot[0]].dtype)
         if slot is None:
             targets[name].copy_(part)

@@ -10,13 +10,14 @@ from torch import nn
 
 from deepinfer.core.linear import fuse_shared_inputs, materialize, quantizable_weights
 from deepinfer.core.weights import dummy_layout, fill_dummy, plan_load, stream_into
+from deepinfer.models.deepseek_v4.weight_names import naming
 from deepinfer.models.registry import checkpoint_naming, model_class
 from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBackend, MoEBackend
 
 
 def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, moe: MoEBackend,
                linear: LinearBackend, mhc: MHCBackend, dtype: torch.dtype, device: torch.device, tokenizer=None,
-               quantization: str = "auto", load_format: str = "auto", seed: int = 0,
+               engram_tables: str, quantization: str = "auto", load_format: str = "auto", seed: int = 0,
                expert_parallel=None) -> nn.Module:
     """The model with its weights on ``device``.
 
@@ -25,6 +26,7 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
     ``"dummy"`` skips the weight files: random weights are created on ``device`` in the formats ``config.json``
     declares (FP8 / MXFP4 with a ``quantization_config``, ``dtype`` without one). With ``expert_parallel``
     (``deepinfer.parallel.expert_parallel``) each MoE layer keeps, and reads, only this rank's experts.
+    ``engram_tables``: where DeepSeek-V4.1's Engram tables are read (``EngineConfig.engram_tables``).
     """
     # meta: no memory is touched until the checkpoint says how each tensor is stored
     with torch.device("meta"):
@@ -43,13 +45,13 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
         extras = {name: torch.empty(expected[name][0], dtype=expected[name][1]) for name in mapped}
         fill_dummy({**tensors, **extras}, seed, model_config.n_routed_experts)
     else:
-        plan = plan_load(model_dir, expected, canonical=checkpoint_naming(model_config), quantizable=quantizable,
+        plan = plan_load(model_dir, expected, naming=checkpoint_naming(model_config), quantizable=quantizable,
                          block=block, memory_mapped=model.memory_mapped, held_experts=held)
         tensors = materialize(model, plan.layout, model.checkpoint_name, device, linear, block[1])
         extras = stream_into(plan, tensors)
     model.backends = Backends(attention, moe, linear, mhc)  # what a drafter plugin builds its stages with
     model = model.to(device)  # the buffers the model computes itself (RoPE)
-    model.attach(extras, device)
+    model.attach(extras, device, engram_tables)
     fuse_shared_inputs(model)
     return model
 
@@ -84,6 +86,6 @@ def load_part(module: nn.Module, model_config, model_dir: Path, checkpoint_name,
     expected = {checkpoint_name(k): (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
     quantizable = quantizable_weights(module, checkpoint_name) if quantization == "auto" else set()
     block = model_config.weight_block_size
-    plan = plan_load(model_dir, expected, canonical=canonical, quantizable=quantizable, block=block)
+    plan = plan_load(model_dir, expected, naming=naming(canonical), quantizable=quantizable, block=block)
     stream_into(plan, materialize(module, plan.layout, checkpoint_name, device, linear, block[1]))
     fuse_shared_inputs(module)

@@ -9,7 +9,8 @@ from typing import Any
 
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from deepinfer.models.deepseek_v4.weight_names import canonical_name
+from deepinfer.core.weights import CheckpointNaming
+from deepinfer.models.deepseek_v4.weight_names import naming
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
@@ -39,8 +40,8 @@ def model_class(config) -> type:
     return DeepseekV41ForCausalLM if isinstance(config, DeepseekV41ModelConfig) else DeepseekV4ForCausalLM
 
 
-def checkpoint_naming(config):
+def checkpoint_naming(config) -> CheckpointNaming:
     """Maps checkpoint names onto the model's: V4 ships in three namings, V4.1 in DeepSeek's own only."""
     if isinstance(config, DeepseekV41ModelConfig):  # the DSpark stages (mtp.*) are the drafter's to load
-        return lambda name: None if name.startswith(("mtp.", "model.mtp.")) else name.removeprefix("model.")
-    return canonical_name
+        return naming(lambda name: None if name.startswith(("mtp.", "model.mtp.")) else name.removeprefix("model."))
+    return naming()

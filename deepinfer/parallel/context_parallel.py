@@ -15,11 +15,15 @@ prefill; shorter runs (decode tokens) are dealt round-robin.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from deepinfer.parallel.ranks import Ranks
+
+if TYPE_CHECKING:  # the engine's step contract; parallel sits below the engine and imports nothing of it at run time
+    from deepinfer.core.scheduled import ScheduledBatch
 
 
 @dataclass(slots=True)
@@ -62,10 +66,10 @@ class ContextParallel:
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
 
-    def share(self, scheduled: list[tuple[object, int, int]]) -> ContextShare:
-        """This rank's share of a step of ``scheduled`` (request, first position, token count) runs."""
+    def share(self, scheduled: ScheduledBatch) -> ContextShare:
+        """This rank's share of the step ``scheduled``."""
         world, me = self.ranks.world_size, self.ranks.rank
-        owners = zigzag_owners([n for _, _, n in scheduled], world)
+        owners = zigzag_owners([row.count for row in scheduled], world)
         counts, place = [0] * world, []
         for owner in owners:
             place.append(counts[owner])

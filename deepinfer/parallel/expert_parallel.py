@@ -25,7 +25,7 @@ from deepinfer.logger import init_logger
 from deepinfer.parallel.eplb import ExpertLoad, ExpertPlacement, rebalance
 from deepinfer.parallel.ranks import Ranks
 from deepinfer.plugins.interfaces import ExpertWeights, TokenExchange
-from deepinfer.plugins.manager import select_backend
+from deepinfer.plugins.manager import checked, select_backend
 
 logger = init_logger(__name__)
 
@@ -83,7 +83,8 @@ class ExpertParallel:
         if ranks is None or ranks.world_size == 1:
             raise ValueError("enable_expert_parallel=True needs more than one rank: set data_parallel_size (the "
                              "experts are spread over the data-parallel ranks)")
-        exchange, _ = select_backend("deepinfer_token_exchange", config=config, ranks=ranks)
+        exchange, _ = checked("deepinfer_token_exchange",
+                              select_backend("deepinfer_token_exchange", config=config, ranks=ranks))
         experts = model_config.n_routed_experts
         ep = cls(ranks, exchange, model_config.num_layers, experts, num_redundant=config.num_redundant_experts,
                  eplb=config.enable_eplb, step_interval=config.eplb_step_interval)

@@ -19,6 +19,7 @@ import os
 import queue
 import socket
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -98,13 +99,17 @@ class Ranks:
         return box[0]
 
     # -- a spawned job's lifetime -------------------------------------------------------------
-    def serve(self, target) -> None:
-        """A spawned rank's loop: make each call rank 0 mirrors on ``target`` until it says close."""
+    def serve(self, calls: Mapping[str, Callable]) -> None:
+        """A spawned rank's loop: make each call rank 0 mirrors, one of ``calls`` by its name, until it says
+        close."""
         while True:
             call, args = self._broadcast()
             if call == "close":
                 return
-            getattr(target, call)(*args)
+            if call not in calls:
+                raise RuntimeError(f"rank 0 mirrored {call!r}, which a spawned rank does not serve "
+                                   f"(it serves {sorted(calls)})")
+            calls[call](*args)
 
     def guarded(self, work):
         """Rank 0 of a spawned job runs ``work``; if it or another rank fails, every rank is ended and the failing
@@ -190,9 +195,10 @@ def _join(rank: int, world_size: int, local_rank: int, device: torch.device, ini
     return Ranks(rank, world_size, local_rank, device, dist.group.WORLD, control, threads_before=threads)
 
 
-def start(world_size: int, device: torch.device, config) -> Ranks:
+def start(world_size: int, device: torch.device, config, rank_main: Callable[[object, Ranks], None]) -> Ranks:
     """This process's place in a job of ``world_size`` ranks: joined under torchrun, else rank 0 of a job whose
-    other ranks are spawned here (each builds its own ``LLM`` from ``config``)."""
+    other ranks are spawned here, each running ``rank_main(config, ranks)`` (a module-level function: spawn
+    pickles it by name)."""
     if under_torchrun():
         got = int(os.environ["WORLD_SIZE"])
         if got != world_size:
@@ -210,7 +216,7 @@ def start(world_size: int, device: torch.device, config) -> Ranks:
     context = multiprocessing.get_context("spawn")
     errors = context.Queue()
     workers = [context.Process(target=_spawned_rank,
-                               args=(rank, world_size, device, init_method, config, plugins, errors),
+                               args=(rank, world_size, device, init_method, config, plugins, errors, rank_main),
                                name=f"deepinfer-rank{rank}") for rank in range(1, world_size)]
     for process in workers:
         process.start()
@@ -226,13 +232,11 @@ def start(world_size: int, device: torch.device, config) -> Ranks:
 
 
 def _spawned_rank(rank: int, world_size: int, device: torch.device, init_method: str, config,
-                  plugins: list[tuple[str, str]], errors) -> None:
-    from deepinfer.llm import LLM
-
+                  plugins: list[tuple[str, str]], errors, rank_main) -> None:
     try:
         register_modules(plugins)
         ranks = _join(rank, world_size, rank, device, init_method)
-        ranks.serve(LLM._as_rank(config, ranks))
+        rank_main(config, ranks)
         ranks._end()
     except BaseException:  # not swallowed: rank 0 raises this traceback as the job's error
         trace = traceback.format_exc()

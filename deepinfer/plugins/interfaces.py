@@ -392,3 +392,4 @@ class TokenExchange(Protocol):
     def combine(self, computed: torch.Tensor, dispatched: Dispatched, num_tokens: int) -> torch.Tensor:
         """Send each computed row [N, hidden] (weighted already) back to its token's rank; return this rank's
         [num_tokens, hidden] sums over each token's choices (in fp32, rounded once to ``computed``'s dtype)."""
+

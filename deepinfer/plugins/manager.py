@@ -18,12 +18,17 @@ from collections.abc import Iterator
 
 import pluggy
 
-import deepinfer
 from deepinfer import envs
 from deepinfer.logger import init_logger, log_once
-from deepinfer.plugins import hookspecs
+from deepinfer.plugins import hookspecs, interfaces
+from deepinfer.version import __version__
 
 ENTRY_POINT_GROUP = "deepinfer.plugins"
+# A plugin module's asking priority (an int, default 0): entry points register in ascending priority, then by name,
+# and pluggy asks the latest registration first, so a higher priority is asked first whatever the names and
+# DEEPINFER_PLUGINS say. Device plugins declare more than feature plugins: they serve the modes they support with
+# their own kernels, and decline the rest.
+PRIORITY_ATTRIBUTE = "DEEPINFER_PRIORITY"
 
 # Registered before any entry point, so installed plugins are asked first (pluggy asks the
 # latest registration first) and the built-ins answer only what nobody else does.
@@ -87,9 +92,11 @@ def load_entry_point_plugins() -> list[str]:
     Unset selects all, the empty string none, a comma list the entry points of those names.
     Returns the names registered by this call.
     """
-    available = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP).names)
+    entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    available = sorted(entry_points.names)
+    selected = {name: _priority(entry_points[name]) for name in _selected_entry_points(available)}
     loaded = []
-    for name in _selected_entry_points(available):
+    for name in sorted(selected, key=lambda name: (selected[name], name)):
         try:
             count = pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
         except Exception as exc:
@@ -97,6 +104,17 @@ def load_entry_point_plugins() -> list[str]:
         if count:
             loaded.append(name)
     return loaded
+
+
+def _priority(entry_point: importlib.metadata.EntryPoint) -> int:
+    try:
+        module = entry_point.load()
+    except Exception as exc:
+        raise PluginError(f"plugin {entry_point.name!r} (group {ENTRY_POINT_GROUP}) failed to load: {exc}") from exc
+    priority = getattr(module, PRIORITY_ATTRIBUTE, 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise PluginError(f"plugin {entry_point.name!r}: {PRIORITY_ATTRIBUTE} must be an int, got {priority!r}")
+    return priority
 
 
 def _selected_entry_points(available: list[str]) -> list[str]:
@@ -150,6 +168,43 @@ def check_pending() -> None:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise PluginError(f"plugin {impl.plugin_name!r} implements {name!r}, "
                               f"which is not a deepinfer hook{hint}")
+
+
+# What each backend hook's answer implements: checked when the engine selects it (``checked``)
+HOOK_PROTOCOLS = {
+    "deepinfer_attention_backend": interfaces.AttentionBackend,
+    "deepinfer_moe_backend": interfaces.MoEBackend,
+    "deepinfer_linear_backend": interfaces.LinearBackend,
+    "deepinfer_mhc_backend": interfaces.MHCBackend,
+    "deepinfer_sampler": interfaces.Sampler,
+    "deepinfer_drafter": interfaces.Drafter,
+    "deepinfer_prefill_truncation": interfaces.PrefillTruncation,
+    "deepinfer_logits_processor": interfaces.LogitsProcessor,
+    "deepinfer_token_exchange": interfaces.TokenExchange,
+}
+
+
+def protocol_members(protocol: type) -> list[str]:
+    """The attributes and methods a protocol asks for, in declaration order."""
+    attributes = list(vars(protocol).get("__annotations__", {}))
+    return attributes + [name for name, value in vars(protocol).items()
+                         if callable(value) and not name.startswith("_") and name not in attributes]
+
+
+def checked(hook_name: str, selection: tuple[object, str] | None) -> tuple[object, str] | None:
+    """``selection`` (a backend and its plugin, or None) once the backend is found to have every member of its
+    hook's protocol (``HOOK_PROTOCOLS``): a missing method fails here, naming plugin, hook and
+    method, not deep inside a forward pass."""
+    if selection is None:
+        return None
+    backend, plugin = selection
+    protocol = HOOK_PROTOCOLS[hook_name]
+    missing = [name for name in protocol_members(protocol) if not hasattr(backend, name)
+               or (callable(getattr(protocol, name, None)) and not callable(getattr(backend, name)))]
+    if missing:
+        raise PluginError(f"plugin {plugin!r} serves {hook_name} with a {type(backend).__name__} that lacks "
+                          f"{', '.join(missing)} of {protocol.__name__} (deepinfer/plugins/interfaces.py)")
+    return selection
 
 
 def select_backend(hook_name: str, **kwargs) -> tuple[object, str]:
@@ -233,7 +288,7 @@ def list_plugins() -> list[dict[str, object]]:
         dist = next((dist for registered_plugin, dist in distributions if registered_plugin is plugin), None)
         rows.append({
             "name": name,
-            "version": dist.version if dist is not None else deepinfer.__version__,
+            "version": dist.version if dist is not None else __version__,
             "hooks": sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()),
         })
     return rows

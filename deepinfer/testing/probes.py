@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.core.request import Request
+from deepinfer.core.scheduled import ScheduledBatch, ScheduledRequest
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -16,7 +17,7 @@ def prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
     if not engine.blocks.reserve(request.tables, 0, len(token_ids)):
         raise RuntimeError(f"no cache blocks left for a {len(token_ids)}-token probe")
     try:
-        batch = engine.batch_builder.build([(request, 0, len(token_ids))])
+        batch = engine.batch_builder.build(ScheduledBatch([ScheduledRequest.of(request, 0, len(token_ids))]))
         streams = engine.model(batch, engine.cache)
         return engine.model.compute_logits(streams)
     finally:

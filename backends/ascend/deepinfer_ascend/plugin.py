@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
-from deepinfer import envs
 from deepinfer.logger import init_logger, log_once
 from deepinfer.plugins import hookimpl
 from deepinfer_ascend import npu
@@ -28,12 +27,15 @@ from deepinfer_ascend.moe import AscendMoE
 
 logger = init_logger(__name__)
 
+# Asked before feature plugins (manager.PRIORITY_ATTRIBUTE), as every device plugin is
+DEEPINFER_PRIORITY = 10
 
-def _serving(device) -> ModuleType | None:
+
+def _serving(config, device) -> ModuleType | None:
     """torch_npu when this plugin serves ``device``, else None (the hook declines)."""
     if getattr(device, "type", None) != "npu":
         return None
-    if envs.get().DEEPINFER_BATCH_INVARIANT:
+    if config.batch_invariant:
         log_once(logger, logging.INFO, "batch-invariant mode: the Ascend plugin declines (its operators are not "
                                        "established as batch-invariant)")
         return None
@@ -57,24 +59,24 @@ def deepinfer_configure_engine(config):
         raise ValueError(f"device={config.device!r}, but torch_npu sees no NPU (is CANN's set_env.sh sourced?)")
 
 
-def _backend(device, backend_class):
-    module = _serving(device)
+def _backend(config, device, backend_class):
+    module = _serving(config, device)
     return None if module is None else backend_class(module)
 
 
 @hookimpl
 def deepinfer_attention_backend(config, device):
-    return _backend(device, AscendAttention)
+    return _backend(config, device, AscendAttention)
 
 
 @hookimpl
 def deepinfer_moe_backend(config, device):
-    return _backend(device, AscendMoE)
+    return _backend(config, device, AscendMoE)
 
 
 @hookimpl
 def deepinfer_mhc_backend(config, device):
-    return _backend(device, AscendMHC)
+    return _backend(config, device, AscendMHC)
 
 
 @hookimpl
@@ -83,7 +85,7 @@ def deepinfer_token_exchange(config, ranks):
     Calls outside their documented limits (``exchange.exchange_unsupported``: bf16/fp16, hidden 1024-7168, k <= 16,
     <= 1024 slots, the listed EP world sizes) go to the torch all-to-all, logged; at most 256 tokens per rank go in
     one call (fewer when HCCL_BUFFSIZE is below the documented buffer), more take several."""
-    module = _serving(ranks.device)
+    module = _serving(config, ranks.device)
     if module is None:
         return None
     missing = [op for op in ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2")

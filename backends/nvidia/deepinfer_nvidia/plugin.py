@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import logging
 
-from deepinfer import envs
 from deepinfer.logger import init_logger, log_once
 from deepinfer.plugins import hookimpl
 
 logger = init_logger(__name__)
+
+# Asked before feature plugins (manager.PRIORITY_ATTRIBUTE): with DEEPINFER_BATCH_INVARIANT=1 this plugin serves
+# its own invariant kernels on CUDA, where features/batch_invariant's attention would run the CPU-style blocked one
+DEEPINFER_PRIORITY = 10
 
 # Batch-invariant attention: key tiles per split (256 keys of 512-wide bf16 rows). Larger splits leave small
 # decode batches fewer programs; smaller ones write more partial rows.
 INVARIANT_TILES_PER_SPLIT = 8
 
 
-def _invariant() -> bool:
-    return envs.get().DEEPINFER_BATCH_INVARIANT
+def _invariant(config) -> bool:
+    return config.batch_invariant
 
 
 @hookimpl
@@ -31,7 +34,7 @@ def deepinfer_linear_backend(config, device):
     from deepinfer_nvidia.deepseek_kernels import deep_gemm
     from deepinfer_nvidia.fp8_linear import TritonLinear  # triton is imported only when a GPU will use it
 
-    if _invariant():
+    if _invariant(config):
         return TritonLinear(pinned=True)
     module, _ = deep_gemm()
     return TritonLinear(deep_gemm=module)
@@ -53,7 +56,7 @@ def deepinfer_moe_backend(config, device):
     from deepinfer_nvidia.deepseek_kernels import grouped_bf16_gemm, masked_fp8_gemm
     from deepinfer_nvidia.moe import TritonMoE
 
-    if _invariant():
+    if _invariant(config):
         return TritonMoE(reference=TorchMoE(), pinned=True)
     gemm, align = grouped_bf16_gemm()
     masked, masked_align = masked_fp8_gemm() if _masked_fp8_experts(device) else (None, 0)
@@ -68,7 +71,7 @@ def deepinfer_attention_backend(config, device):
     from deepinfer_nvidia.deepseek_kernels import deep_gemm, flash_mla, flash_mla_prefill, report
     from deepinfer_nvidia.sparse_attention import FLASHMLA_PREFILL_MIN_TOKENS, TritonAttention
 
-    if _invariant():
+    if _invariant(config):
         log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; batch-invariant mode: Triton serves "
                                        "attention, GEMMs and MoE with fixed configurations")
         return TritonAttention(tiles_per_split=INVARIANT_TILES_PER_SPLIT)
@@ -97,4 +100,4 @@ def deepinfer_mhc_backend(config, device):
         return None
     from deepinfer_nvidia.mhc import GEMM_TOKENS, TritonMHC
 
-    return TritonMHC(gemm_tokens=None if _invariant() else GEMM_TOKENS)
+    return TritonMHC(gemm_tokens=None if _invariant(config) else GEMM_TOKENS)

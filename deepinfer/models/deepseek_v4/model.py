@@ -88,8 +88,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def memory_mapped(name: str) -> bool:
         return False
 
-    def attach(self, extras: dict[str, torch.Tensor], device: torch.device) -> None:
-        """Tensors the loader hands over outside the model's parameters; V4 has none."""
+    def attach(self, extras: dict[str, torch.Tensor], device: torch.device, engram_tables: str) -> None:
+        """Tensors the loader hands over outside the model's parameters; V4 has none (nor Engram tables)."""
         if extras:
             raise ValueError(f"unexpected extra tensors for DeepSeek-V4: {sorted(extras)[:5]}")
 

@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from deepinfer.core.weights import CheckpointNaming
+
 # Applied in order to the name without its "model." prefix; each rule only rewrites HF spellings.
 _RENAMES = [
     (r"^embed_tokens\.", "embed."),
@@ -83,3 +85,9 @@ def expert_slot(name: str) -> tuple[str, int] | None:
     if match is None:
         return None
     return f"{match.group(1)}.{match.group(3)}", int(match.group(2))
+
+
+def naming(canonical=canonical_name) -> CheckpointNaming:
+    """The family's ``CheckpointNaming``, with another ``canonical`` mapping where one is given (V4.1's naming; a
+    drafter's stages)."""
+    return CheckpointNaming(canonical, split_fused_experts, expert_slot)

@@ -23,10 +23,10 @@ import re
 import torch
 from torch import nn
 
-from deepinfer import envs
-from deepinfer.core.forward_batch import ForwardBatch, scatter_rows
+from deepinfer.core.forward_batch import ForwardBatch
 from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
 from deepinfer.core.linear import cast_floating
+from deepinfer.core.step_inputs import scatter_rows
 from deepinfer.logger import init_logger
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v4.moe import MoE
@@ -47,10 +47,10 @@ _HC_NAMES = re.compile(r"(hc_attn|hc_ffn)\.(fn|base|scale)$")
 _ENGRAM_TABLE = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)$")
 
 
-def engram_tables_on_device(size: int, device: torch.device) -> bool:
-    """``DEEPINFER_ENGRAM_TABLES``: ``auto`` reads tables of ``size`` bytes on ``device`` when they take at most an
-    eighth of a CUDA device's memory; on a CPU the memory-mapped tables are already where the step runs."""
-    choice = envs.get().DEEPINFER_ENGRAM_TABLES
+def engram_tables_on_device(choice: str, size: int, device: torch.device) -> bool:
+    """``choice`` (``EngineConfig.engram_tables``): ``auto`` reads tables of ``size`` bytes on ``device`` when they
+    take at most an eighth of a CUDA device's memory; on a CPU the memory-mapped tables are already where the step
+    runs."""
     if choice != "auto":
         return choice == "device"
     if device.type == "cpu":
@@ -149,16 +149,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Engram tables are read in place from the checkpoint files."""
         return _ENGRAM_TABLE.match(name) is not None
 
-    def attach(self, extras: dict[str, torch.Tensor], device: torch.device) -> None:
-        """The Engram tables, memory-mapped: copied to ``device`` when they fit (``DEEPINFER_ENGRAM_TABLES``), where
-        each step hashes and gathers its rows itself; otherwise gathered on the host with the step's inputs."""
+    def attach(self, extras: dict[str, torch.Tensor], device: torch.device, engram_tables: str) -> None:
+        """The Engram tables, memory-mapped: copied to ``device`` when they fit (``engram_tables``), where each step
+        hashes and gathers its rows itself; otherwise gathered on the host with the step's inputs."""
         engrams = [layer.engram for layer in self.layers if layer.engram is not None]
         tables = {}
         for engram in engrams:
             i = self.config.engram_layer_ids[engram.index]
             tables[engram] = extras[f"layers.{i}.engram.embed.weight"], extras[f"layers.{i}.engram.embed.scale"]
         size = sum(t.numel() * t.element_size() for pair in tables.values() for t in pair)
-        on_device = engram_tables_on_device(size, device)
+        on_device = engram_tables_on_device(engram_tables, size, device)
         for engram, (table, scale) in tables.items():
             engram.table, engram.table_scale = (table.to(device), scale.to(device)) if on_device else (table, scale)
         if engrams:

@@ -18,7 +18,7 @@ from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer.plugins.interfaces import SamplerOutput, SamplingBatch
 
 
-@hookimpl
+@hookimpl(trylast=True)
 def deepinfer_sampler(config, device):
     return TorchSampler()
 

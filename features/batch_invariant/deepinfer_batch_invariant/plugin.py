@@ -9,7 +9,6 @@ sort); the sampler's ``seq_seed`` noise is a function of (seed, output position,
 
 from __future__ import annotations
 
-from deepinfer import envs
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer_batch_invariant import cpu_checks
 from deepinfer_batch_invariant.attention import BlockedTorchAttention
@@ -21,9 +20,8 @@ TILE_ROWS = {"cpu": 16, "cuda": 64}
 
 
 def _refusals(config) -> list[str]:
-    env = envs.get()
     refusals = []
-    if env.DEEPINFER_ENABLE_MTP_VARLEN:
+    if config.enable_mtp_varlen:
         refusals.append(
             "DEEPINFER_ENABLE_MTP_VARLEN=1 schedules each request's draft length from the step's load, so what a "
             "request verifies depends on its batch mates; use DEEPINFER_ENABLE_MTP_VARLEN=0 (fixed length)"
@@ -33,7 +31,7 @@ def _refusals(config) -> list[str]:
 
 @hookimpl
 def deepinfer_configure_engine(config):
-    if not envs.get().DEEPINFER_BATCH_INVARIANT:
+    if not config.batch_invariant:
         return
     refusals = _refusals(config)
     if refusals:
@@ -42,7 +40,7 @@ def deepinfer_configure_engine(config):
 
 @hookimpl
 def deepinfer_step_context(config, device):
-    if not envs.get().DEEPINFER_BATCH_INVARIANT:
+    if not config.batch_invariant:
         return None
     if device.type not in TILE_ROWS:
         raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1 has no fixed tiling for {device.type} devices "
@@ -57,4 +55,4 @@ def deepinfer_step_context(config, device):
 @hookimpl
 def deepinfer_attention_backend(config, device):
     """Asked before the built-in reference (and after device plugins, which serve their own invariant kernels)."""
-    return BlockedTorchAttention() if envs.get().DEEPINFER_BATCH_INVARIANT else None
+    return BlockedTorchAttention() if config.batch_invariant else None

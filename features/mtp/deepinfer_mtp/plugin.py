@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer import envs
 from deepinfer.core.linear import cast_floating
 from deepinfer.core.model_source import resolve_model_dir
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
@@ -34,7 +33,7 @@ def _mtp_layer_name(name: str) -> str | None:
 
 @hookimpl
 def deepinfer_drafter(config, model):
-    varlen = envs.get().DEEPINFER_ENABLE_MTP_VARLEN
+    varlen = config.enable_mtp_varlen
     if varlen is None:  # unset: no speculative decoding (1: confidence-scheduled lengths, 0: fixed length)
         return None
     switch = f"DEEPINFER_ENABLE_MTP_VARLEN={int(varlen)}"
@@ -83,4 +82,4 @@ def _mtp(config, model, c: DeepseekV4ModelConfig, switch: str) -> MTPDrafter:
     load_part(holder, c, resolve_model_dir(config.model), DeepseekV4ForCausalLM.checkpoint_name, _mtp_layer_name,
               backends.linear, model.embed.weight.device, config.quantization)
     holder.requires_grad_(False)
-    return MTPDrafter(model, holder.layers[0], config.max_num_seqs, envs.get().DEEPINFER_USE_NEXTN_DECODE)
+    return MTPDrafter(model, holder.layers[0], config.max_num_seqs, config.num_speculative_tokens)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer import envs
 from deepinfer.plugins.hookspecs import hookimpl
 
 
@@ -22,7 +21,6 @@ class BoundedReplay:
 
 @hookimpl
 def deepinfer_prefill_truncation(config, model_config):
-    env = envs.get()
-    if env.DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE != "compact":
+    if config.prefill_truncation_mode != "compact":
         return None
-    return BoundedReplay(env.DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)
+    return BoundedReplay(config.prefill_keep_tokens)

@@ -1,0 +1,80 @@
+"""Speculative decoding's test oracles: a drafter that knows the reference continuation (from a run without
+drafts), so a test decides what is right and where a draft goes wrong, and the comparison of two runs' outputs
+(not part of the public API)."""
+
+from __future__ import annotations
+
+from deepinfer.plugins.hookspecs import hookimpl
+from deepinfer.plugins.interfaces import Draft
+from deepinfer.plugins.manager import registered
+from deepinfer.sampling_params import SamplingParams
+
+PROMPTS = ["import os", "def f(x):", "class A:\n    pass\n" * 3]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+
+class OracleDrafter:
+    """Proposes the reference continuation, wrong at draft position ``wrong_at`` (None: always right); requests
+    whose prompt is in ``skip`` get no draft; ``confidence`` is handed out with every draft."""
+
+    name = "oracle"
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], wrong_at=None, skip=(), confidence=None,
+                 length=5):
+        self.reference, self.wrong_at, self.skip = reference, wrong_at, set(skip)
+        self.confidence, self.length = confidence, length
+        self.batches: list[list[int]] = []  # the requests asked for, per step
+
+    def propose(self, requests, computed):
+        drafts = []
+        self.batches.append([len(r.token_ids) for r in requests])
+        for r in requests:
+            prompt = tuple(r.prompt_token_ids)
+            if prompt in self.skip:
+                drafts.append(Draft([]))
+                continue
+            done = r.num_output_tokens
+            tokens = list(self.reference[prompt][done : done + self.length])
+            if self.wrong_at is not None and self.wrong_at < len(tokens):
+                tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % 64
+            drafts.append(Draft(tokens, None if self.confidence is None else list(self.confidence(r))))
+        return drafts
+
+
+class DrafterPlugin:
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    @hookimpl
+    def deepinfer_drafter(self, config, model):
+        return self.drafter
+
+
+def generate_with(checkpoint, prompts, params, drafter=None, plugin="oracle-drafts", **engine_args):
+    """``prompts``' outputs and the ``LLM`` that generated them, with ``drafter`` serving the drafts (None: no
+    speculative decoding)."""
+    from deepinfer.llm import LLM
+
+    engine_args.setdefault("dtype", "float32")
+    if drafter is None:
+        llm = LLM(str(checkpoint), **engine_args)
+        return llm.generate(prompts, params, use_tqdm=False), llm
+    with registered(DrafterPlugin(drafter), plugin):
+        llm = LLM(str(checkpoint), **engine_args)
+        return llm.generate(prompts, params, use_tqdm=False), llm
+
+
+def continuations(outputs) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outputs}
+
+
+def assert_same(outputs, expected, logprob_tolerance=1e-4):
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in expected]
+    for ours, theirs in zip(outputs, expected):
+        if theirs.outputs[0].logprobs is None:
+            continue
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            worst = max(abs(a[t].logprob - b[t].logprob) for t in a)
+            assert worst <= logprob_tolerance, f"a logprob moved by {worst:.2e}"
