@@ -1,7 +1,7 @@
 """Every ``DEEPINFER_*`` environment variable, declared once, parsed once.
 
 To add a variable, add one field to ``Envs`` below; the registry (``VARIABLES``), the
-validation and the README table (``python -m deepinfer.envs``) all derive from it.
+validation and the table in docs/configuration.md (``python -m deepinfer.envs``) all derive from it.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _default_label(variable: EnvVar) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of environment variables."""
+    """The table of environment variables in docs/configuration.md."""
     rows = ["| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
     for variable in VARIABLES:
         cells = (f"`{variable.name}`", variable.type_label(), _default_label(variable), variable.meaning)
