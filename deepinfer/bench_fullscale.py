@@ -1,5 +1,5 @@
 """``deepinfer bench fullscale``: one model across ``--ranks`` GPUs, attention data-parallel and experts
-expert-parallel (issue 15: DeepSeek-V4.1-Flash at full size does not fit one GPU, so there is no one-rank peer).
+expert-parallel (DeepSeek-V4.1-Flash at full size does not fit one GPU, so there is no one-rank peer).
 
 Reported: the engine's load time; rank 0's device memory once loaded (``torch.cuda.memory_allocated``; the ranks
 hold the same share, and ``nvidia-smi`` shows each); prefill tokens/s with one ``--prefill-len`` prompt per rank;

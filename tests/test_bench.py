@@ -46,7 +46,7 @@ def test_bench_throughput_on_the_embedded_model_reports_vllm_keys(tmp_path, caps
 
 
 def test_bench_fullscale_reports_load_prefill_and_decode_per_gpu(tmp_path):
-    """Issue 15's bench on the embedded model across two CPU ranks (experts split between them)."""
+    """The full-scale bench on the embedded model across two CPU ranks (experts split between them)."""
     out = tmp_path / "fullscale.json"
     main(["bench", "fullscale", "--model", "deepinfer-tiny-v4.1", "--ranks", "2", "--device", "cpu",
           "--batch-sizes", "1", "3", "--prefill-len", "40", "--input-len", "12", "--output-len", "4",
@@ -99,7 +99,7 @@ def test_expert_dtype_must_be_a_known_format(tmp_path):
 @pytest.mark.parametrize("name", ["v41flash8L", "v41flash"])
 def test_v41_fixtures_load_dummy_released_formats(tmp_path, name):
     """The V4.1-Flash-shaped fixtures, their widths shrunk and their layer schedules kept (``v41flash``: the
-    release's 40 layers, issue 15's full-scale run)."""
+    release's 40 layers, the full-scale run)."""
     shrunk = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_attention_heads=4, head_dim=64,
                   qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32, o_groups=2, index_n_heads=4,
                   index_head_dim=32, index_topk=8, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=97,

@@ -29,7 +29,7 @@ def test_a_step_reads_the_experts_its_routing_touches(tmp_path):
 
 
 def test_expert_parallel_ranks_hold_and_read_their_share_of_the_experts(tmp_path):
-    """Issue 15's layout: N ranks each hold E/N experts and every other weight, and the N ranks' tokens route
+    """The full-scale layout: N ranks each hold E/N experts and every other weight, and the N ranks' tokens route
     together, so one rank's experts are touched as a single GPU's would be by N times its batch."""
     sizes, config = roofline.tensor_sizes(write_fixture("flash4L", tmp_path))
     ranks = 8

@@ -1,4 +1,4 @@
-"""Batch invariance on a real-sized model (issue 10's H200 record): one request's output among random batch mates.
+"""Batch invariance on a real-sized model (the H200 record): one request's output among random batch mates.
 
     DEEPINFER_BATCH_INVARIANT=1 python tools/batch_invariance.py /tmp/flash4L --load-format dummy --runs 20
 

@@ -6,7 +6,7 @@ at a measured copy rate allows (no GPU needed: the model is built on the meta de
     python tools/decode_roofline.py /tmp/v41flash --expert-parallel 8   # per GPU, 8 ranks
 
 With ``--expert-parallel N`` the figures are per GPU of N running attention data-parallel and experts
-expert-parallel (issue 15's layout): each rank decodes its own batch B and holds every weight outside the routed
+expert-parallel (the full-scale layout): each rank decodes its own batch B and holds every weight outside the routed
 experts, and E/N experts, which the N ranks' B x N tokens route to; the weights each GPU holds are printed too.
 
 Weights only, in the formats ``load_format="dummy"`` gives them (the checkpoint's: FP8 projections and MXFP4
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--copy-gbps", type=float, default=4223.0,
-                        help="measured copy rate, read + write (the fifth GPU session's H200: 4223)")
+                        help="measured copy rate, read + write (an H200 of the GPU box: 4223)")
     parser.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                         help="figures per GPU of N data-parallel attention, expert-parallel ranks")
     args = parser.parse_args()

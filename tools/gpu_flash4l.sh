@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 on the lent H200: install with build.sh, kernel and CUDA-graph tests natively, flash4L benchmarks
+# The NVIDIA backend on the lent H200: install with build.sh, kernel and CUDA-graph tests natively, flash4L benchmarks
 # against HF transformers and the measured roofline. One section per device call (each must stay < 10 min; a
 # session has 30 min of device time, and a fresh box spends minutes compiling Triton kernels in its first model run):
 #
@@ -7,7 +7,7 @@
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
 # kernels (tools/gpu_kernels.py, tools/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
-# between replayed decode steps, with and without asynchronous scheduling: issue 7), small (batch 1 and 16 against
+# between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
 # tools/gpu_kernels.py --grouped; GROUPED_TESTS, GROUPED_FORMATS narrow them), v41prefill (the V4.1-Flash-shaped fixture's
@@ -68,7 +68,7 @@ if has tests; then
         tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py \
         tests/test_fp8_kv_cache.py tests/test_speculative_decoding.py tests/test_dspark.py} 2>&1 | tee "$out/tests.txt" | tail -15
 fi
-if has debug; then  # the FP8 cache read by Triton's attention faults in padded decode steps (issue 6): where
+if has debug; then  # the FP8 cache read by Triton's attention faults in padded decode steps: where
     stamp "debug fp8 graph fault"
     CUDA_LAUNCH_BLOCKING=1 timeout 200 python -m pytest -q -x tests/test_fp8_kv_cache.py -k replay 2>&1 \
         | grep -vE "^frame #|^\s*$" | tail -60 > "$out/debug_fp8.txt"
@@ -121,7 +121,7 @@ if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference
 fi
 if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton against DeepGEMM's masked GEMM per layer, then
     # flash4Lfp8's replayed decode steps (FP8_KERNELS="auto triton" adds a run with Triton only; a fresh box compiles
-    # for minutes before the first replay: twelfth session, 200 s were not enough)
+    # for minutes before the first replay: once, 200 s were not enough)
     stamp fp8experts
     timeout 300 python -m pytest -q tests/test_nvidia_moe_fp8.py tests/test_nvidia_moe.py 2>&1 \
         | tee "$out/tests_fp8experts.txt" | tail -3
@@ -155,7 +155,7 @@ if has profile; then  # kernels per eager decode step at batch 1 and 16
         python tools/profile_decode.py /tmp/flash4L --dummy --batch-size $b 2>&1 | grep -v INFO | head -22
     done
 fi
-if has idle; then  # issue 7: device idle share between replayed decode steps, with and without overlap
+if has idle; then  # device idle share between replayed decode steps, with and without overlap
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     for m in ${IDLE_MODELS:-/tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1}; do
         for b in ${IDLE_BATCHES:-1 64}; do
@@ -182,7 +182,7 @@ if has small; then
     # the FP8 KV cache: FlashMLA serves its attention when build.sh provisioned it (the log says), Triton otherwise
     latency b1_fp8kv --batch-size 1 --input-len 512 --output-len 64 --kv-cache-dtype fp8
     latency b16_fp8kv --batch-size 16 --input-len 512 --output-len 64 --kv-cache-dtype fp8
-    # the same without overlapping host work (issue 7): the step_ms breakdown says where the time went
+    # the same without overlapping host work: the step_ms breakdown says where the time went
     DEEPINFER_ASYNC_SCHEDULING=0 latency b1_sync --batch-size 1 --input-len 512 --output-len 64
     DEEPINFER_ASYNC_SCHEDULING=0 latency b16_sync --batch-size 16 --input-len 512 --output-len 64
 fi
@@ -220,7 +220,7 @@ if has large || has b256; then  # alone first: HF's side may not fit at this bat
     latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
     latency b256_hf --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192 --compare-hf
 fi
-if has invariant; then  # issue 10: batch-invariant mode on flash4L: one output among random batches, and its cost
+if has invariant; then  # batch-invariant mode on flash4L: one output among random batches, and its cost
     for mode in 1 0; do
         stamp "batch invariance flash4L mode=$mode"
         DEEPINFER_BATCH_INVARIANT=$mode timeout 240 python tools/batch_invariance.py /tmp/flash4L --load-format dummy \
@@ -231,13 +231,13 @@ if has invariant; then  # issue 10: batch-invariant mode on flash4L: one output 
         DEEPINFER_BATCH_INVARIANT=1 latency invariant_b$b --batch-size $b --input-len 512 --output-len 64
     done
 fi
-if has spec; then  # issue 8: DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
+if has spec; then  # DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
     stamp "speculative"
     timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes ${SPEC_BATCHES:-1 32} \
         --output-len 128 --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
     python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in ('without_drafts', 'fixed_length', 'confidence_scheduled', 'fixed_length_synchronous')]; [print(b, 'same tokens', v['same_tokens']) for b, v in r.items() if b.startswith('batch')]" "$out/speculative.json"
 fi
-if has replay; then  # issue 9: SWA bounded replay, prefill off vs compact (V4.1-shaped fixture, embedded model)
+if has replay; then  # SWA bounded replay, prefill off vs compact (V4.1-shaped fixture, embedded model)
     stamp "replay"
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     timeout 240 "${bench[@]}" replay --model /tmp/v41flash8L --load-format dummy --dtype bfloat16 --batch-size 4 --input-len 4096 \
@@ -246,7 +246,7 @@ if has replay; then  # issue 9: SWA bounded replay, prefill off vs compact (V4.1
         --output-len 64 --text-file README.md --max-num-batched-tokens 8192 --output-json "$out/replay_tiny.json" 2>&1 | grep -E "Error|error" | head -5
     for f in "$out"/replay_*.json; do python -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[1], r['prefill_tokens_per_second'], r['speedup'], r['last_logits_max_deviation_over_max_logit'], r['greedy_tokens_before_first_difference'])" "$f"; done
 fi
-if has structured; then  # issue 11: a JSON schema's per-step cost at batch 32, grammar masks filled during the forward pass
+if has structured; then  # a JSON schema's per-step cost at batch 32, grammar masks filled during the forward pass
     stamp "structured"
     timeout 300 "${bench[@]}" structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 --output-len 64 \
         --output-json "$out/structured.json" 2>&1 | grep -vE "INFO" | tail -8

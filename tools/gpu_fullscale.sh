@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15 on a lent machine of 4 or 8 H200s, in one device call: install, the full-size V4.1-Flash fixture
+# The full-scale run on a lent machine of 4 or 8 H200s, in one device call: install, the full-size V4.1-Flash fixture
 # (40 layers, MXFP4 experts, FP8 projections; random weights), its per-GPU decode roofline, then
 # `deepinfer bench fullscale` (data-parallel attention, expert-parallel experts) with each GPU's memory from
 # nvidia-smi once the model is loaded.

@@ -1,4 +1,4 @@
-"""Kernel-level figures of the NVIDIA backend at DeepSeek-V4-Flash shapes (issue 6), printed as JSON.
+"""Kernel-level figures of the NVIDIA backend at DeepSeek-V4-Flash shapes, printed as JSON.
 
     PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8 | --prefill | --grouped | --logits]
 
@@ -43,7 +43,7 @@ from deepinfer_nvidia.moe import TritonMoE
 from deepinfer_nvidia.sparse_attention import TritonAttention
 
 DEVICE = torch.device("cuda")
-HBM_COPY_BYTES_PER_S = 4223e9  # the H200's measured copy rate (fifth GPU session), read as the roofline
+HBM_COPY_BYTES_PER_S = 4223e9  # the H200's measured copy rate (measured on the GPU box), read as the roofline
 
 
 def _graph_us(fn) -> float:
@@ -107,7 +107,7 @@ def prefill_experts() -> list[dict]:
     """Triton's grouped kernel (16- or 64-row blocks, as it picks) against DeepGEMM's m-grouped contiguous bf16 GEMM
     (``moe_grouped``; MXFP4 experts dequantized per chunk) on prefill-sized calls, eager as a prefill runs them:
     V4-Flash's 256 bf16 experts (hidden 4096, intermediate 2048) and V4.1-Flash's 384 MXFP4 ones (5120, 2304),
-    top-6. (The ninth session's figures had the MXFP4 experts at V4-Flash's widths.)"""
+    top-6. (Earlier figures had the MXFP4 experts at V4-Flash's widths.)"""
     gemm, align = deepseek_kernels.grouped_bf16_gemm()
     top_k = 6
     rows = []
@@ -250,7 +250,7 @@ def deepgemm_peer() -> list[dict]:
 
 def triton_fp8_attention() -> list[dict]:
     """Our kernel reading the FP8 rows itself (the layout FlashMLA reads), on flashmla_peer's problem. Run alone
-    (``--triton-fp8``): this path has faulted natively in padded decode steps (issue 6), and a fault ends the
+    (``--triton-fp8``): this path has faulted natively in padded decode steps, and a fault ends the
     process."""
     rows = []
     backend = TritonAttention()

@@ -1,4 +1,4 @@
-"""The NVIDIA backend's Triton kernels on a GPU, in one run (issue 6): correctness, kernel times, engine check.
+"""The NVIDIA backend's Triton kernels on a GPU, in one run: correctness, kernel times, engine check.
 
     export PYTHONPATH=$PWD:$PWD/backends/nvidia && python tools/gpu_nvidia_linear.py $OUT
 

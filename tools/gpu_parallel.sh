@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 on two lent H200s, in one device call: install, the 2-GPU parallelism tests, then `deepinfer bench
+# Parallelism on two lent H200s, in one device call: install, the 2-GPU parallelism tests, then `deepinfer bench
 # parallel` (one GPU against data parallelism, expert parallelism and EPLB) on the embedded model and on flash4L.
 #   bash tools/gpu_parallel.sh $OUT        (run tool: kind nvidia-h200-x2, carry [".wheels", ".kernels"])
 set -uo pipefail

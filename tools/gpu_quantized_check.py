@@ -1,4 +1,4 @@
-"""Quantized loading on a GPU, in one run (issue 4): results go to $OUT as JSON.
+"""Quantized loading on a GPU, in one run: results go to $OUT as JSON.
 
     export PYTHONPATH=$PWD && python tools/gpu_quantized_check.py $OUT
 

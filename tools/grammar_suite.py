@@ -1,4 +1,4 @@
-"""Structured outputs with regexes and EBNF grammars (issue 11's regex and EBNF suites).
+"""Structured outputs with regexes and EBNF grammars (the regex and EBNF suites).
 
 Each regex and grammar below is generated from by the embedded model, greedy and sampled, from several prompts;
 every finished output must match its regex in full (Python's ``re``) or parse with the same grammar written for

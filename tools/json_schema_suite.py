@@ -1,4 +1,4 @@
-"""Structured outputs against the JSON-Schema-Test-Suite's schemas (issue 11's suite).
+"""Structured outputs against the JSON-Schema-Test-Suite's schemas.
 
 The suite ships inside jsonschema's source distribution (not committed here)::
 

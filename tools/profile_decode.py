@@ -1,4 +1,4 @@
-"""Where a decode step's device time goes, and how long the device sits idle between steps (issue 7).
+"""Where a decode step's device time goes, and how long the device sits idle between steps.
 
     python tools/profile_decode.py MODEL_DIR --batch-size 16 [--steps 8] [--dummy]            kernels per eager step
     python tools/profile_decode.py MODEL_DIR --batch-size 16 --steps 64 --graphs [--dummy]    idle share, replaying

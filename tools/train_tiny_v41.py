@@ -1,4 +1,4 @@
-"""Train the small DeepSeek-V4.1 model that ships inside DeepInfer (issue 5).
+"""Train the small DeepSeek-V4.1 model that ships inside DeepInfer.
 
 The model is NVIDIA NeMo AutoModel's public PyTorch implementation of DeepSeek-V4.1 (``DeepseekV41ForCausalLM``
 and its DSpark draft), trained from scratch on a corpus every machine has: the running Python's standard library

@@ -10,7 +10,7 @@
   MXFP4 experts (384, top-6). Engram keeps the release's heads and widths, but its hash vocabulary is cut from 16M
   to 100k, so its table is 2.5M rows (640 MB) instead of 384M.
 
-- ``v41flash``: DeepSeek-V4.1-Flash's 40 layers at the release's dimensions and formats (issue 15's full-scale run):
+- ``v41flash``: DeepSeek-V4.1-Flash's 40 layers at the release's dimensions and formats (the full-scale run):
   ratio 0 for layers 0-1, ratio-2 CSA2 for 2-19, ratio-1 for 20-39; KV sources 2, 8, 14, 20; index sources 2, 8, 14,
   20, 24, 28, 32, 36, with layer 20 publishing candidate blocks; Engram at layers 1 and 14. Engram's hash vocabulary
   is cut as in ``v41flash8L``: dummy weights are drawn in each process's memory, and the release's two tables (203

@@ -28,7 +28,7 @@ from deepinfer_nvidia.fp8_rounding import fp8_rounded
 
 # Rows per expert, on average over the layer's experts, from which the grouped GEMM serves a call: below, padding
 # each expert to the M alignment (and for MXFP4 dequantizing every expert) costs more than the Triton kernel loses.
-# H200, BENCHMARKS.md's ninth GPU session: bf16 1.09x at 48 rows, 0.85x at 12; MXFP4 1.08x at 64, 0.72x at 32.
+# H200 (docs/benchmarks-history.md, the grouped GEMM's threshold run): bf16 1.09x at 48 rows, 0.85x at 12; MXFP4 1.08x at 64, 0.72x at 32.
 MIN_ROWS_PER_EXPERT = {"bf16": 48, "mxfp4": 64}
 # Widths in whole 64-column tiles (DeepGEMM's bf16 K tile; every V4 and V4.1 width is one), and at least this wide:
 # measured at V4-Flash's and V4.1-Flash's widths only; small experts (test and embedded models, whose decode
