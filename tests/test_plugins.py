@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import deepinfer
-from deepinfer import envs
+from deepinfer import SamplingParams, envs
+from deepinfer.core.config import EngineConfig
 from deepinfer.plugins import (PluginError, call_all, check_pending, hookimpl, list_plugins,
                                load_entry_point_plugins, load_plugins, manager, pm, registered,
                                select_backend, select_optional_backend)
@@ -276,6 +277,26 @@ def test_example_plugin_installed_through_its_entry_point(builtins_loaded, insta
     assert load_entry_point_plugins() == ["example"]
     sampler, plugin = select_sampler()
     assert (sampler.name, plugin) == ("example-greedy", "example")
+
+
+EXAMPLE_ATTENTION_DIR = TESTS_DIR / "example_attention_plugin"
+
+
+def test_example_attention_plugin_serves_the_engine_with_the_references_outputs(builtins_loaded, monkeypatch):
+    """The worked attention backend: selected and checked against the protocol, it serves a whole generation (its
+    RMSNorm runs), and the greedy tokens are the built-in reference's."""
+    monkeypatch.syspath_prepend(EXAMPLE_ATTENTION_DIR)
+    example = importlib.import_module("deepinfer_example_attention")
+    prompts, params = ["def add(a, b):", "import os"], SamplingParams(temperature=0, max_tokens=6)
+    expected = [o.outputs[0].token_ids for o in LLM("deepinfer-tiny-v4.1").generate(prompts, params, use_tqdm=False)]
+    with registered(example, "example_attention"):
+        backend, plugin = checked("deepinfer_attention_backend",
+                                  select_backend("deepinfer_attention_backend", config=EngineConfig(), device=CPU))
+        assert (backend.name, plugin) == ("example-fused-norm", "example_attention")
+        llm = LLM("deepinfer-tiny-v4.1")
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert llm.engine.attention.name == "example-fused-norm" and llm.engine.attention.norm_calls > 0
 
 
 HOOK_NAMES = sorted(name for name, caller in vars(pm.hook).items() if caller.has_spec())
