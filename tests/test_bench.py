@@ -62,9 +62,10 @@ def test_bench_fullscale_reports_load_prefill_and_decode_per_gpu(tmp_path):
 
 @pytest.mark.parametrize("flags, complaint", [(["--output-len", "1"], "output-len"), (["--ranks", "0"], "ranks"),
                                               (["--compare-hf"], "compare-hf")])
-def test_bench_fullscale_refuses_what_it_cannot_measure(flags, complaint):
-    with pytest.raises(ValueError, match=complaint):
+def test_bench_fullscale_refuses_what_it_cannot_measure(flags, complaint, capsys):
+    with pytest.raises(SystemExit) as exit_:  # a user error: one line, exit 2
         main(["bench", "fullscale", "--model", "deepinfer-tiny-v4.1", "--device", "cpu", *flags])
+    assert exit_.value.code == 2 and complaint in capsys.readouterr().err
 
 
 def test_flash4l_fixture_loads_dummy_bf16_weights(tmp_path):
