@@ -83,7 +83,8 @@ class LLM:
             self._check_structured_outputs(params)
         if self.ranks is not None:
             return self.ranks.guarded(lambda: self._generate_on_ranks(prompt_list, params, use_tqdm))
-        groups = [self._submit(prompt, p) for prompt, p in zip(prompt_list, params)]
+        encoded = [self._encode(i, prompt) for i, prompt in enumerate(prompt_list)]  # all checked before any starts
+        groups = [self._submit(prompt, p, e) for prompt, p, e in zip(prompt_list, params, encoded)]
         self._run(groups, use_tqdm)
         return [self._request_output(group) for group in groups]
 
@@ -97,9 +98,10 @@ class LLM:
         ranks.check_same("generate's prompts and sampling params",
                          hashlib.sha256(pickle.dumps((prompt_list, params))).hexdigest()[:16])
         mine = {}
+        encoded = [self._encode(i, prompt) for i, prompt in enumerate(prompt_list)]
         for index, (prompt, p) in enumerate(zip(prompt_list, params)):
             if index % data_ranks == data_rank:
-                mine[index] = self._submit(prompt, p)
+                mine[index] = self._submit(prompt, p, encoded[index])
             else:
                 self._next_id += 1  # request ids stay the same on every rank
         self._run(list(mine.values()), use_tqdm and ranks.leader)
@@ -163,11 +165,27 @@ class LLM:
                                  "text before min_tokens tokens, which min_tokens forbids")
             processor.validate(p.so_args)
 
-    def _submit(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
+    def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """``(text, token ids)`` of ``prompts[index]``, refused (naming it) where the engine could not take it: checked
+        for every prompt before any is added, so a bad prompt leaves no earlier one queued in the engine."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError(f"prompts[{index}] is empty")
+        if len(token_ids) >= self.engine.max_model_len:
+            raise ValueError(f"prompts[{index}] has {len(token_ids)} tokens, max_model_len is {self.engine.max_model_len}")
+        vocab = self.engine.model_config.vocab_size
+        bad = [(position, t) for position, t in enumerate(token_ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompts[{index}]: token ids outside the vocabulary [0, {vocab}) at (index, id) "
+                             f"{bad[:5]}")
+        return text, token_ids
+
+    def _submit(self, prompt: Prompt, params: SamplingParams,
+                encoded: tuple[str | None, list[int]] | None = None) -> list[Request]:
+        text, token_ids = encoded or self._encode(0, prompt)
         request_id = str(self._next_id)
         self._next_id += 1
         group = []
@@ -246,7 +264,10 @@ class LLM:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those, got "
+                         f"{type(prompts).__name__} (decode it first)")
+    if isinstance(prompts, Sequence) and prompts and _is_token_ids(prompts):
         return [list(prompts)]
     if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
@@ -254,9 +275,35 @@ def _as_prompt_list(prompts) -> list[Prompt]:
         if isinstance(prompt, dict) and "multi_modal_data" in prompt:
             raise NotImplementedError(f"prompts[{i}] has multi_modal_data: image inputs are not supported yet "
                                       "(DeepSeek-V4.1's vision tower is not implemented); pass text only")
-        if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)):
-            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(prompt).__name__}")
+        if isinstance(prompt, str):
+            _check_text(i, prompt)
+        elif not _is_token_ids(prompt):
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(prompt).__name__}"
+                             + _first_non_int(prompt))
     return list(prompts)
+
+
+def _is_token_ids(prompt) -> bool:
+    # bytes and bytearray are sequences of ints, but almost surely text the caller forgot to decode; a bool is
+    # an int subclass, but True as a token id is a mistake, not token 1
+    return (isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray))
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+
+
+def _first_non_int(prompt) -> str:
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        return ""
+    index, value = next((i, t) for i, t in enumerate(prompt) if not isinstance(t, int) or isinstance(t, bool))
+    return f" (element {index} is {value!r})"
+
+
+def _check_text(index: int, text: str) -> None:
+    """The tokenizer takes only text that UTF-8 can encode: a lone surrogate would fail inside it, unnamed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"prompts[{index}] is not valid Unicode: {text[exc.start:exc.end]!r} at character "
+                         f"{exc.start} (a lone surrogate?)") from None
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:

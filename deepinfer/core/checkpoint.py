@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -109,19 +110,36 @@ def _read_header(path: Path) -> list[StoredTensor]:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} has a corrupt safetensors header: {err}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has a corrupt safetensors header: a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
     tensors, data_end = [], 0
     for name, entry in header.items():
+        if not _well_formed(entry):
+            raise ValueError(f"{path} has a corrupt safetensors header: entry {name!r} is {entry!r}")
         dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
         if dtype is None:
             raise ValueError(f"{name} (in {path.name}) has dtype {entry.get('dtype')!r}, which DeepInfer cannot load")
         begin, end = entry["data_offsets"]
+        if end - begin != math.prod(entry["shape"]) * dtype.itemsize:
+            raise ValueError(f"{path} has a corrupt safetensors header: {name} has shape {entry['shape']} of "
+                             f"{entry['dtype']} but {end - begin} bytes")
         data_end = max(data_end, end)
         tensors.append(StoredTensor(name, path.name, tuple(entry["shape"]), dtype, 8 + header_len + begin, end - begin))
     if 8 + header_len + data_end > size:
         raise ValueError(f"{path} is truncated: its header describes {data_end} bytes of tensor data but the file "
                          f"holds {size - 8 - header_len} (an interrupted download? fetch the shard again)")
     return tensors
+
+
+def _well_formed(entry: object) -> bool:
+    """A tensor entry as the format defines it: a shape of sizes and two ordered byte offsets."""
+    if not isinstance(entry, dict):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    return (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1])
 
 
 def mapped_tensor(path: Path, name: str) -> torch.Tensor:

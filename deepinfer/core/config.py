@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -84,6 +85,10 @@ class EngineConfig:
     engram_tables: str = _from_environment("DEEPINFER_ENGRAM_TABLES")
 
     def __post_init__(self):
+        for name, allowed in (("dtype", _DTYPES), ("quantization", _QUANTIZATION), ("kv_cache_dtype", _KV_CACHE_DTYPES),
+                              ("load_format", _LOAD_FORMATS)):
+            if not isinstance(getattr(self, name), str):  # a list would fail the membership test as unhashable
+                raise ValueError(f"{name} must be one of {sorted(allowed)}, got {getattr(self, name)!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.quantization not in _QUANTIZATION:
@@ -102,21 +107,28 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.device not in _DEVICES and not str(self.device).startswith(("cuda:", "npu:")):
             raise ValueError(f"device must be one of {_DEVICES} (or cuda:N / npu:N), got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError(f"tokenizer must be a path or repo id (str) or None, got {self.tokenizer!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "context_parallel_size",
+                     "eplb_step_interval"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("max_model_len", "block_size", "num_cache_tokens"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
-        for name in ("enforce_eager", "enable_expert_parallel", "enable_eplb"):
+        for name in ("enforce_eager", "enable_expert_parallel", "enable_eplb", "enable_chunked_prefill",
+                     "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("data_parallel_size", "context_parallel_size", "eplb_step_interval"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+        if not _is_int(self.num_redundant_experts) or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
+        # torch.manual_seed takes a uint64 and fails deep inside the engine on anything else
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        value = self.kv_cache_memory_gb
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"kv_cache_memory_gb must be a finite number > 0, got {value!r}")
         if self.context_parallel_size > 1 and (self.data_parallel_size > 1 or self.enable_expert_parallel):
             raise ValueError("context_parallel_size > 1 runs alone for now: combine it with neither data_parallel_size "
                              "> 1 nor enable_expert_parallel")
@@ -126,8 +138,6 @@ class EngineConfig:
         if self.num_redundant_experts and not self.enable_eplb:
             raise ValueError(f"num_redundant_experts={self.num_redundant_experts} needs enable_eplb=True (redundant "
                              "experts are replicas EPLB places by measured load)")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         variables = {variable.name: variable for variable in envs.VARIABLES}
         for f in fields(self):
             if "variable" in f.metadata:
@@ -157,3 +167,8 @@ class EngineConfig:
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device, self.accelerator)
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but True as a count or a size is a mistake, not 1
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -25,7 +25,13 @@ def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"No config.json in model directory {str(model_dir)!r}")
-    return json.loads(config_file.read_text())
+    try:
+        d = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 def model_config(model_dir: str | os.PathLike[str]):

@@ -213,6 +213,21 @@ def _required(d: dict[str, Any], key: str, where: str = "config.json") -> Any:
     return d[key]
 
 
+def _number(cast: type, value: Any, key: str, where: str = "config.json") -> int | float:
+    """``cast(value)``, refused naming the field where int()/float() would fail unnamed, or would silently round
+    (2.5 layers), or take a bool or a string."""
+    try:
+        if isinstance(value, (bool, str)) or not isinstance(value, (int, float)):
+            raise TypeError
+        result = cast(value)
+    except (TypeError, ValueError, OverflowError):
+        result = None
+    if result is None or (cast is int and result != value):
+        kind = "an integer" if cast is int else "a number"
+        raise ValueError(f"{where}: {key} must be {kind}, got {value!r}")
+    return result
+
+
 def _check_length(field: str, values: list, num_layers: int) -> None:
     if len(values) != num_layers:
         raise ValueError(f"{field} has {len(values)} entries but num_hidden_layers is {num_layers}")

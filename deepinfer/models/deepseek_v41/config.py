@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.core.quantization import weight_block_size
 
-from deepinfer.models.deepseek_v4.config import YarnConfig, _dtype, _required, _rope_head_dim, _rope_setup
+from deepinfer.models.deepseek_v4.config import YarnConfig, _dtype, _number, _required, _rope_head_dim, _rope_setup
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
@@ -113,63 +113,69 @@ class DeepseekV41ModelConfig:
         def req(key):
             return _required(text, key, where)
 
-        num_layers = int(req("num_hidden_layers"))
+        def req_num(cast, key):
+            return _number(cast, req(key), key, where)
+
+        def opt_num(cast, key, default):
+            return _number(cast, text.get(key, default), key, where)
+
+        num_layers = req_num(int, "num_hidden_layers")
         ratios = [int(r) for r in req("compress_ratios")]
         if len(ratios) < num_layers:
             raise ValueError(f"{where}: compress_ratios has {len(ratios)} entries but num_hidden_layers is {num_layers}")
-        head_dim = int(req("head_dim"))
+        head_dim = req_num(int, "head_dim")
         rope_theta, compress_rope_theta, yarn = _rope_setup(text)
         eos = text.get("eos_token_id", top.get("eos_token_id", 1))
         engram_layers = [int(i) for i in text.get("engram_layer_ids", [])]
         return cls(
-            vocab_size=int(req("vocab_size")),
-            hidden_size=int(req("hidden_size")),
+            vocab_size=req_num(int, "vocab_size"),
+            hidden_size=req_num(int, "hidden_size"),
             num_layers=num_layers,
-            num_heads=int(req("num_attention_heads")),
+            num_heads=req_num(int, "num_attention_heads"),
             head_dim=head_dim,
             rope_head_dim=_rope_head_dim(text, head_dim),
-            q_lora_rank=int(req("q_lora_rank")),
-            o_groups=int(req("o_groups")),
-            o_lora_rank=int(req("o_lora_rank")),
-            window=int(req("sliding_window")),
+            q_lora_rank=req_num(int, "q_lora_rank"),
+            o_groups=req_num(int, "o_groups"),
+            o_lora_rank=req_num(int, "o_lora_rank"),
+            window=req_num(int, "sliding_window"),
             # entries past the main layers describe the DSpark stages
             compress_ratios=ratios[:num_layers],
             kv_source_layer_ids=[int(i) for i in req("kv_source_layer_ids")],
             index_source_layer_ids=[int(i) for i in req("index_source_layer_ids")],
-            candidate_source_layer_id=int(text.get("candidate_source_layer_id", -1)),
-            candidate_topk_blocks=int(text.get("candidate_topk_blocks", 0)),
-            candidate_block_size=int(text.get("candidate_block_size", 0)),
-            n_routed_experts=int(req("n_routed_experts")),
-            n_shared_experts=int(text.get("n_shared_experts", 1)),
-            num_experts_per_tok=int(req("num_experts_per_tok")),
-            moe_intermediate_size=int(req("moe_intermediate_size")),
+            candidate_source_layer_id=opt_num(int, "candidate_source_layer_id", -1),
+            candidate_topk_blocks=opt_num(int, "candidate_topk_blocks", 0),
+            candidate_block_size=opt_num(int, "candidate_block_size", 0),
+            n_routed_experts=req_num(int, "n_routed_experts"),
+            n_shared_experts=opt_num(int, "n_shared_experts", 1),
+            num_experts_per_tok=req_num(int, "num_experts_per_tok"),
+            moe_intermediate_size=req_num(int, "moe_intermediate_size"),
             scoring_func=text.get("scoring_func", "sqrtsoftplus"),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(text.get("routed_scaling_factor", 1.5)),
-            swiglu_limit=float(text.get("swiglu_limit", 10.0)),
-            index_n_heads=int(req("index_n_heads")),
-            index_head_dim=int(req("index_head_dim")),
-            index_topk=int(req("index_topk")),
-            hc_mult=int(req("hc_mult")),
-            hc_sinkhorn_iters=int(text.get("hc_sinkhorn_iters", 20)),
-            hc_eps=float(text.get("hc_eps", 1e-6)),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-20)),
+            routed_scaling_factor=opt_num(float, "routed_scaling_factor", 1.5),
+            swiglu_limit=opt_num(float, "swiglu_limit", 10.0),
+            index_n_heads=req_num(int, "index_n_heads"),
+            index_head_dim=req_num(int, "index_head_dim"),
+            index_topk=req_num(int, "index_topk"),
+            hc_mult=req_num(int, "hc_mult"),
+            hc_sinkhorn_iters=opt_num(int, "hc_sinkhorn_iters", 20),
+            hc_eps=opt_num(float, "hc_eps", 1e-6),
+            rms_norm_eps=opt_num(float, "rms_norm_eps", 1e-20),
             rope_theta=rope_theta,
             compress_rope_theta=compress_rope_theta,
             yarn=yarn,
             engram_layer_ids=engram_layers,
             engram_num_embeddings=[int(n) for n in text.get("engram_num_embeddings", [])],
-            engram_max_ngram_size=int(text.get("engram_max_ngram_size", 4)),
-            engram_vocab_size=int(text.get("engram_vocab_size", 0)),
-            engram_n_heads=int(text.get("engram_n_heads", 0)),
-            engram_head_dim=int(text.get("engram_head_dim", 0)),
-            engram_pad_token_id=int(text.get("engram_pad_token_id", 2)),
-            engram_compressed_vocab_size=int(text.get("engram_compressed_vocab_size", 0)),
-            num_nextn_predict_layers=int(text.get("num_nextn_predict_layers", 0)),
+            engram_max_ngram_size=opt_num(int, "engram_max_ngram_size", 4),
+            engram_vocab_size=opt_num(int, "engram_vocab_size", 0),
+            engram_n_heads=opt_num(int, "engram_n_heads", 0),
+            engram_head_dim=opt_num(int, "engram_head_dim", 0),
+            engram_pad_token_id=opt_num(int, "engram_pad_token_id", 2),
+            engram_compressed_vocab_size=opt_num(int, "engram_compressed_vocab_size", 0),
+            num_nextn_predict_layers=opt_num(int, "num_nextn_predict_layers", 0),
             dspark={k: v for k, v in text.items() if k.startswith("dspark_")},
             bos_token_id=text.get("bos_token_id", top.get("bos_token_id", 0)),
             eos_token_id=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-            max_position_embeddings=int(text.get("max_position_embeddings", 1048576)),
+            max_position_embeddings=opt_num(int, "max_position_embeddings", 1048576),
             dtype=_dtype(text if (text.get("dtype") or text.get("torch_dtype")) else top),
             image_token_id=top.get("image_token_id"),
             vision_config=dict(top.get("vision_config") or {}),
