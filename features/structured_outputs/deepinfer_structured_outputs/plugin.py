@@ -47,10 +47,30 @@ _SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
-def unenforced_keywords(schema, path: str = "#") -> list[str]:
-    """``"path: keyword (why)"`` for every keyword the matcher would not enforce, nested schemas included."""
+# Deeper schemas are refused rather than walked: the walk (and the grammar compiler after it) recurses per level.
+MAX_SCHEMA_DEPTH = 64
+
+
+def _check_shape(schema: dict, path: str) -> None:
+    """A ValueError naming the keyword whose value has the wrong JSON type for the walk below (and for JSON Schema)."""
+    for keys, kind, expected in ((_SCHEMA_LISTS, list, "a list of schemas"),
+                                 (_SCHEMA_MAPS, dict, "an object of schemas")):
+        for key in keys:
+            if key in schema and not isinstance(schema[key], kind):
+                raise ValueError(f"so_args: {path}/{key} must be {expected}, got {type(schema[key]).__name__}")
+    required = schema.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise ValueError(f"so_args: {path}/required must be a list of property names, got {required!r:.80}")
+
+
+def unenforced_keywords(schema, path: str = "#", depth: int = 0) -> list[str]:
+    """``"path: keyword (why)"`` for every keyword the matcher would not enforce, nested schemas included; a
+    ValueError for a schema nested past ``MAX_SCHEMA_DEPTH`` or a keyword of the wrong JSON type."""
     if not isinstance(schema, dict):
         return []
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"so_args: the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {path[:80]}...)")
+    _check_shape(schema, path)
     found = [f"{path}: {key} ({why})" for key, why in UNENFORCED.items() if key in schema]
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
@@ -72,13 +92,13 @@ def unenforced_keywords(schema, path: str = "#") -> list[str]:
     if "multipleOf" in schema and not isinstance(schema["multipleOf"], int):
         found.append(f"{path}: multipleOf {schema['multipleOf']!r} (only integer steps are matched)")
     for key in _SCHEMA:
-        found += unenforced_keywords(schema.get(key), f"{path}/{key}")
+        found += unenforced_keywords(schema.get(key), f"{path}/{key}", depth + 1)
     for key in _SCHEMA_LISTS:
         for i, item in enumerate(schema.get(key) or ()):
-            found += unenforced_keywords(item, f"{path}/{key}/{i}")
+            found += unenforced_keywords(item, f"{path}/{key}/{i}", depth + 1)
     for key in _SCHEMA_MAPS:
         for name, item in (schema.get(key) or {}).items():
-            found += unenforced_keywords(item, f"{path}/{key}/{name}")
+            found += unenforced_keywords(item, f"{path}/{key}/{name}", depth + 1)
     return found
 
 
