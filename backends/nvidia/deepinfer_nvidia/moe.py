@@ -344,7 +344,9 @@ class TritonMoE:
         self.reference = reference  # serves what no kernel here takes (weights of other formats), with a warning
         self.pinned = pinned  # 16-row blocks and one tile configuration whatever the batch (batch-invariant mode)
         self.batch_invariant = pinned
-        self.repack_fp4 = repack_fp4  # MXFP4 experts repacked in place for moe_mxfp4 (False: the byte layout's kernel)
+        # MXFP4 experts repacked in place for moe_mxfp4 (False: the byte layout's kernel); batch-invariant mode keeps
+        # the byte layout's pinned tiles
+        self.repack_fp4 = repack_fp4
         # DeepGEMM's m_grouped_bf16_gemm_nt_contiguous and its M alignment: long prefills (moe_grouped); its
         # m_grouped_fp8_gemm_nt_masked and its M alignment: FP8 experts at decode (moe_fp8)
         self.grouped_gemm, self.grouped_align = (None, 0) if pinned else (grouped_gemm, grouped_align)
@@ -354,19 +356,6 @@ class TritonMoE:
         elif grouped_gemm is not None:
             self.name = "triton; DeepGEMM's grouped GEMM in long prefills" + (
                 " and its masked FP8 GEMM for FP8 experts at decode" if masked_gemm is not None else "")
-
-    def _repacked(self, weights) -> bool:
-        """Whether the swap-AB kernel (``moe_mxfp4``) serves these MXFP4 experts, repacking them on first sight;
-        batch-invariant mode keeps ``_fp4_experts``' pinned tiles."""
-        if self.pinned or not self.repack_fp4:
-            return False
-        reason = moe_mxfp4.prepare(weights)
-        shape = tuple(weights.w1.shape[1:]), tuple(weights.w2.shape[1:])
-        if reason is None:
-            log_once(logger, logging.INFO, f"MXFP4 experts {shape}: repacked for the swap-AB kernel (moe_mxfp4)")
-        else:
-            log_once(logger, logging.WARNING, f"MXFP4 experts {shape}: {reason}; the byte-layout kernel serves them")
-        return reason is None
 
     def route(self, x, token_ids, router):
         return routing.route(x, token_ids, router, pinned=self.pinned)
@@ -412,7 +401,7 @@ class TritonMoE:
             h = moe_fp8.fp8_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, block, chunk, w3,
                                     weights.w3_scale, limit)
             down = moe_fp8.fp8_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, bm, block, chunk)
-        elif fp4 and self._repacked(weights):
+        elif fp4 and not self.pinned and self.repack_fp4 and moe_mxfp4.prepare(weights) is None:
             block = weights.activation_block
             h = moe_mxfp4.experts(fp8_rounded(x, block), token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, w3,
                                   weights.w3_scale, limit)

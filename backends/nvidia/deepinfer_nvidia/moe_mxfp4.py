@@ -31,8 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.logger import init_logger
 from deepinfer_nvidia import moe_blocks
 from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
+
+logger = init_logger(__name__)
 
 CHUNK = 64  # columns per repacked chunk: 32 bytes, eight 32-bit words
 MAX_SCALE_EXPONENT = 128  # 2^(e - 1) must be a finite bf16
@@ -327,26 +330,32 @@ def dequantize(repacked: torch.Tensor, scales: torch.Tensor, out: torch.Tensor |
     return out[:experts]
 
 
-LAYOUT_ATTRIBUTE = "_deepinfer_mxfp4_layout"  # set on a codes tensor once its bytes are repacked
+# Kept on each codes tensor once its layer is decided: REPACKED, or why the layer stays in the byte layout
+LAYOUT_ATTRIBUTE, REPACKED = "_deepinfer_mxfp4_layout", "swap-ab"
 
 
 def is_repacked(codes: torch.Tensor) -> bool:
-    return getattr(codes, LAYOUT_ATTRIBUTE, None) == "swap-ab"
+    return getattr(codes, LAYOUT_ATTRIBUTE, None) == REPACKED
 
 
 def prepare(weights) -> str | None:
-    """Repacks a layer's MXFP4 experts in place the first time they are seen (marking each tensor), or says why
-    they cannot be (and leaves them as they are)."""
+    """None when the layer's MXFP4 experts are (now) in the repacked layout, else why they stay in the byte layout.
+    Decided and logged once per layer, on first sight; the decision stays on the tensors, so later steps (and a
+    CUDA-graph capture) never repeat the scale check, which reads the scales on the host."""
     stacks = ((weights.w1, weights.w1_scale), (weights.w3, weights.w3_scale), (weights.w2, weights.w2_scale))
-    if all(is_repacked(codes) for codes, _ in stacks):
-        return None
-    if any(is_repacked(codes) for codes, _ in stacks):
-        raise ValueError("MXFP4 experts: some of a layer's w1/w3/w2 are repacked and some not")
-    for codes, scales in stacks:
-        reason = repackable(codes, scales)
-        if reason is not None:
-            return reason
+    marks = [getattr(codes, LAYOUT_ATTRIBUTE, None) for codes, _ in stacks]
+    if marks[0] is not None and marks.count(marks[0]) == len(marks):
+        return None if marks[0] == REPACKED else marks[0]
+    if any(mark is not None for mark in marks):
+        raise ValueError(f"MXFP4 experts: some of a layer's w1/w3/w2 are repacked and some not ({marks})")
+    reason = next((why for codes, scales in stacks if (why := repackable(codes, scales)) is not None), None)
+    shape = tuple(weights.w1.shape[1:]), tuple(weights.w2.shape[1:])
+    if reason is None:
+        for codes, _ in stacks:
+            repack(codes)
+        logger.info(f"MXFP4 experts {shape}: repacked for the swap-AB kernel (moe_mxfp4)")
+    else:
+        logger.warning(f"MXFP4 experts {shape}: {reason}; the byte-layout kernel serves them")
     for codes, _ in stacks:
-        repack(codes)
-        setattr(codes, LAYOUT_ATTRIBUTE, "swap-ab")
-    return None
+        setattr(codes, LAYOUT_ATTRIBUTE, REPACKED if reason is None else reason)
+    return reason
