@@ -172,15 +172,7 @@ class LLM:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise ValueError(f"prompts[{index}] is empty")
-        if len(token_ids) >= self.engine.max_model_len:
-            raise ValueError(f"prompts[{index}] has {len(token_ids)} tokens, max_model_len is {self.engine.max_model_len}")
-        vocab = self.engine.model_config.vocab_size
-        bad = [(position, t) for position, t in enumerate(token_ids) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompts[{index}]: token ids outside the vocabulary [0, {vocab}) at (index, id) "
-                             f"{bad[:5]}")
+        self.engine.check_prompt(token_ids, f"prompts[{index}]")
         return text, token_ids
 
     def _submit(self, prompt: Prompt, params: SamplingParams,

@@ -107,24 +107,26 @@ class LLMEngine:
         self._structured = None  # the structured-outputs plugin, once a request asks for it
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if len(request.prompt_token_ids) == 0:
-            raise ValueError(f"request {request.request_id}: the prompt is empty")
-        if len(request.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id}: prompt has {len(request.prompt_token_ids)} tokens, "
-                f"max_model_len is {self.max_model_len}"
-            )
+    def check_prompt(self, token_ids: list[int], name: str) -> None:
+        """Refuses (naming it ``name``) a prompt this engine cannot run: empty, no room left to generate, ids outside
+        the vocabulary, or image tokens. ``LLM`` asks before it adds any request, ``add_request`` for every one."""
+        if not token_ids:
+            raise ValueError(f"{name} is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"{name} has {len(token_ids)} tokens, max_model_len is {self.max_model_len}")
         vocab = self.model_config.vocab_size
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        bad = [(position, t) for position, t in enumerate(token_ids) if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {request.request_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name}: token ids outside the vocabulary [0, {vocab}) at (index, id) {bad[:5]}")
         image_token = getattr(self.model_config, "image_token_id", None)
-        if image_token is not None and image_token in request.prompt_token_ids:
+        if image_token is not None and image_token in token_ids:
             raise NotImplementedError(
-                f"request {request.request_id}: the prompt contains the image token {image_token}; image inputs "
-                "are not supported yet (DeepSeek-V4.1's vision tower is not implemented)"
+                f"{name}: the prompt contains the image token {image_token}; image inputs are not supported yet "
+                "(DeepSeek-V4.1's vision tower is not implemented)"
             )
+
+    def add_request(self, request: Request) -> None:
+        self.check_prompt(request.prompt_token_ids, f"request {request.request_id}")
         if self.truncation is not None:
             request.replay_start = self.truncation.replay_start(len(request.prompt_token_ids))
         if request.params.so_args is not None:  # validated by LLM.generate before any request was added
