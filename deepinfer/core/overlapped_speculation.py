@@ -136,8 +136,7 @@ class OverlappedSpeculation:
             self.inflight = None
         else:
             finished = []
-        scheduled = context.scheduler.schedule()
-        context.clock.lap("schedule")
+        scheduled = context.schedule()
         if scheduled and self._can_launch(scheduled):
             self.inflight = self._launch(scheduled, None)
             return finished

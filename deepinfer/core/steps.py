@@ -35,6 +35,12 @@ class StepContext:
     metrics: StepMetrics
     totals: EngineTotals
 
+    def schedule(self) -> ScheduledBatch:
+        """The next step, its scheduling timed."""
+        scheduled = self.scheduler.schedule()
+        self.clock.lap("schedule")
+        return scheduled
+
     def count_step(self) -> None:
         self.metrics.steps += 1
         self.totals.steps += 1
@@ -75,9 +81,7 @@ class DecodeSteps:
         return self.inflight is not None
 
     def step(self) -> list[Request]:
-        scheduled = self.context.scheduler.schedule()
-        self.context.clock.lap("schedule")
-        return self.run(scheduled)
+        return self.run(self.context.schedule())
 
     def run(self, scheduled: ScheduledBatch) -> list[Request]:
         context = self.context
@@ -135,9 +139,7 @@ class SpeculativeSteps:
         self.context, self.speculator = context, speculator
 
     def step(self) -> list[Request]:
-        scheduled = self.context.scheduler.schedule()
-        self.context.clock.lap("schedule")
-        return self.run(scheduled)
+        return self.run(self.context.schedule())
 
     def run(self, scheduled: ScheduledBatch) -> list[Request]:
         context = self.context
