@@ -90,6 +90,30 @@ def test_swap_ab_experts_match_the_reference(tokens, experts, top_k, hidden, int
     _close(ours, reference)
 
 
+def test_k_is_split_only_where_a_launch_would_leave_sms_idle():
+    # an H200 (132 SMs) at batch 1: 6 experts x 36 column tiles for w1/w3 (80 chunks of K), x 80 for w2 (36)
+    assert moe_mxfp4.splits(6 * 36, 80, 132) == 2 and moe_mxfp4.splits(6 * 80, 36, 132) == 2
+    assert moe_mxfp4.splits(83 * 36, 80, 132) == 1  # 16 tokens
+    assert moe_mxfp4.splits(1, 7, 132) == 7 and moe_mxfp4.splits(1, 80, 1) == 4  # divisors only
+
+
+@pytest.mark.parametrize("programs_per_sm", [1, 1024])
+def test_split_k_partial_sums_match_the_reference(monkeypatch, programs_per_sm):
+    g = torch.Generator().manual_seed(6)
+    weights = _weights(8, 256, 128, g)
+    x, ids, topk_weights = _routing(2, 8, 2, 256, g)
+    reference = TorchMoE().routed_experts(x, ids, topk_weights, weights)
+    # one SM, as the interpreter counts, on a GPU too. 1 program per SM: no split (8 and 16 busy programs); 1024:
+    # w1/w3's 4 chunks in 4 parts, w2's 2 in 2
+    monkeypatch.setattr(moe_mxfp4, "_sms", lambda device: 1)
+    monkeypatch.setattr(moe_mxfp4, "PROGRAMS_PER_SM", programs_per_sm)
+    launched = []
+    original = moe_mxfp4.splits
+    monkeypatch.setattr(moe_mxfp4, "splits", lambda *args: launched.append(original(*args)) or launched[-1])
+    _close(TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights), reference)
+    assert launched == ([1, 1] if programs_per_sm == 1 else [4, 2])
+
+
 def test_scales_past_the_folded_range_keep_the_byte_layout():
     g = torch.Generator().manual_seed(3)
     weights = _weights(4, 64, 64, g, spread=2.0**12)  # scales of 2^6 and more: 2^(e - 1) leaves bf16's range

@@ -6,7 +6,7 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
+# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu_mxfp4.py; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
@@ -265,6 +265,12 @@ if has v41prev; then  # the same two runs from the previous commit's tree in .pr
             --batch-size $b --input-len 512 --output-len 64 --output-json "$out/latency_v41prev_b$b.json" 2>&1 | grep -E "Error|error|Killed" | tail -4)
         python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_v41prev_b$b.json" 2>&1
     done
+fi
+if has v41profile; then  # where V4.1's batch-1 decode step spends its device time: replayed graphs, kernels by device time
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    stamp "profile v41flash8L b1"
+    timeout 300 python tools/profile_decode.py /tmp/v41flash8L --dummy --graphs --steps 48 --top ${TOP:-40} --trace \
+        --batch-size 1 2>&1 | grep -v INFO | tail -1 | tee "$out/v41_profile_b1.json"
 fi
 stamp done
 du -sh .jit-cache/* && tar czf "$top/jit-cache.tgz" --exclude=previous.tgz .jit-cache

@@ -6,7 +6,9 @@ kernel it replaces (``moe._fp4_experts``), both checked against the torch refere
 
 Each call (routing table, both projections, the top-k sum) is captured in a CUDA graph and its replays timed
 (median of do_bench, L2 flushed). GB/s counts the bytes of the experts the routing touches (packed weights and their
-scales), each once. ``--sweep`` also times every ``SWEEP`` tile of the swap-AB kernel per batch.
+scales), each once. ``--sweep`` also times every ``SWEEP`` tile of the swap-AB kernel per batch, and each
+``SPLIT_SWEEP`` value of ``moe_mxfp4.PROGRAMS_PER_SM`` (which decides the K splits) up to 32 tokens. ``--breakdown``
+adds, per batch, the device time of each kernel of a replayed call (torch profiler, ``BREAKDOWN_REPLAYS`` replays).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ HIDDEN, INTER, EXPERTS, TOP_K = 5120, 2304, 384, 6
 BATCHES = [1, 8, 16, 32, 64, 256, 2048]
 ACTIVATION_BLOCK = 32  # V4.1's weight_block_size (V4's is 128)
 SWEEP = [(64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3)]
+SPLIT_SWEEP = [1, 2, 8, 16]  # moe_mxfp4.PROGRAMS_PER_SM (its default is timed as "swap-AB")
+BREAKDOWN_REPLAYS = 20
 
 
 def _stack(rows: int, cols: int):
@@ -44,7 +48,26 @@ def _time(backend, x, ids, topk_weights, weights, expected) -> dict:
             "err_rel": round(err, 6), "bit_repeatable": repeat}
 
 
-def main(sweep: bool) -> dict:
+def _breakdown(fn) -> dict:
+    """Device microseconds per replayed call, by kernel name (the first 60 characters)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(BREAKDOWN_REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:60]
+            kernels[name] = kernels.get(name, 0.0) + event.device_time / BREAKDOWN_REPLAYS
+    return {name: round(us, 1) for name, us in sorted(kernels.items(), key=lambda item: -item[1])}
+
+
+def main(sweep: bool, breakdown: bool) -> dict:
     torch.manual_seed(0)
     (w1, s1), (w3, s3), (w2, s2) = _stack(INTER, HIDDEN), _stack(INTER, HIDDEN), _stack(HIDDEN, INTER)
     standard = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, ACTIVATION_BLOCK)
@@ -53,7 +76,7 @@ def main(sweep: bool) -> dict:
     per_expert = sum(t[0].numel() * t.element_size() for t in (w1, w3, w2, s1, s3, s2))
     previous = moe.TritonMoE(reference=None, repack_fp4=False)
     ours = moe.TritonMoE(reference=None)
-    default_tiles = dict(moe_mxfp4.TILES)
+    default_tiles, default_programs = dict(moe_mxfp4.TILES), moe_mxfp4.PROGRAMS_PER_SM
     rows = []
     for tokens in BATCHES:
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
@@ -63,11 +86,14 @@ def main(sweep: bool) -> dict:
         touched = int(ids.unique().numel())
         base = {"tokens": tokens, "experts_touched": touched, "GB": round(touched * per_expert / 1e9, 3)}
         bm = moe.block_rows(ids.numel(), EXPERTS)
-        contenders = [("byte layout (previous)", previous, standard, None), ("swap-AB", ours, repacked, None)]
+        contenders = [("byte layout (previous)", previous, standard, None, None),
+                      ("swap-AB", ours, repacked, None, None)]
         if sweep:
-            contenders += [(f"swap-AB {tile}", ours, repacked, tile) for tile in SWEEP]
-        for name, backend, weights, tile in contenders:
+            contenders += [(f"swap-AB {tile}", ours, repacked, tile, None) for tile in SWEEP]
+            contenders += [(f"swap-AB programs/SM {n}", ours, repacked, None, n) for n in SPLIT_SWEEP if tokens <= 32]
+        for name, backend, weights, tile, programs_per_sm in contenders:
             moe_mxfp4.TILES = default_tiles | ({bm: tile} if tile else {})
+            moe_mxfp4.PROGRAMS_PER_SM = programs_per_sm or default_programs
             try:
                 row = base | {"kernel": name} | _time(backend, x, ids, topk_weights, weights, expected)
                 row["GBps"] = round(touched * per_expert / row["us"] / 1e3)
@@ -75,11 +101,19 @@ def main(sweep: bool) -> dict:
                 row = base | {"kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        moe_mxfp4.TILES = default_tiles
+        moe_mxfp4.TILES, moe_mxfp4.PROGRAMS_PER_SM = default_tiles, default_programs
+        if breakdown:
+            for name, backend, weights in (("byte layout (previous)", previous, standard), ("swap-AB", ours, repacked)):
+                row = base | {"kernel": name, "breakdown_us": _breakdown(
+                    lambda: backend.routed_experts(x, ids, topk_weights, weights))}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return {"device": torch.cuda.get_device_name(), "rows": rows}
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time every SWEEP tile of the swap-AB kernel too")
-    main(parser.parse_args().sweep)
+    parser.add_argument("--breakdown", action="store_true", help="each kernel's device time per call, too")
+    args = parser.parse_args()
+    main(args.sweep, args.breakdown)

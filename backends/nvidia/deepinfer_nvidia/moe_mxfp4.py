@@ -27,6 +27,8 @@ would read the repacked bytes: the tests copy them first).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -233,11 +235,13 @@ def _chunk(w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk, BN: tl.co
 
 
 @triton.jit
-def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, K: tl.constexpr,
-             BN: tl.constexpr, NATIVE: tl.constexpr):
-    """``acc`` [BN, BM] plus this tile's weight rows times the activation rows ``rows`` [BM], over all of K."""
+def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, first,
+             CHUNKS: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr):
+    """``acc`` [BN, BM] plus this tile's weight rows times the activation rows ``rows`` [BM], over the CHUNKS
+    64-column chunks of K from chunk ``first``."""
     cols = tl.arange(0, 32)
-    for chunk in range(K // 64):
+    for step in range(CHUNKS):
+        chunk = first + step
         w_a, w_b = _chunk(w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk, BN, NATIVE)
         a_lo = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + cols[None, :], mask=m_ok[:, None], other=0.0)
         a_hi = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + 32 + cols[None, :], mask=m_ok[:, None],
@@ -254,9 +258,11 @@ def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, 
 @triton.jit
 def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, out_rows_ptr, block_expert_ptr,
                     block_start_ptr, block_rows_ptr, N, limit, stride_a, stride_we, stride_wn, stride_se, stride_sn,
-                    stride_out, K: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr,
-                    NATIVE: tl.constexpr):
-    """out = a W^T for one block of rows (an expert's) and BN columns; with SWIGLU, swiglu(a W^T, a V^T)."""
+                    stride_out, stride_split, K: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
+                    SWIGLU: tl.constexpr, SPLITS: tl.constexpr, NATIVE: tl.constexpr):
+    """out = a W^T for one block of rows (an expert's) and BN columns; with SWIGLU, swiglu(a W^T, a V^T). With K cut
+    in SPLITS parts, program (.., .., s) writes part s's sums to ``out[s]`` (and the up projection's to
+    ``out[SPLITS + s]``) for ``_reduce_splits``."""
     count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
@@ -264,14 +270,43 @@ def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, ou
                                                                              a_rows_ptr, N, BLOCK_M, BN)
     n0 = tl.program_id(1) * BN
     s_off = expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    chunks: tl.constexpr = K // 64 // SPLITS
+    split = tl.program_id(2)
     gate = _project(tl.zeros((BN, BLOCK_M), dtype=tl.float32), a_ptr, rows, m_ok, stride_a, w_ptr, expert * stride_we,
-                    n0, stride_wn, N, sw_ptr, s_off, n_ok, K, BN, NATIVE)
+                    n0, stride_wn, N, sw_ptr, s_off, n_ok, split * chunks, chunks, BN, NATIVE)
     up = gate
     if SWIGLU:
         up = _project(tl.zeros((BN, BLOCK_M), dtype=tl.float32), a_ptr, rows, m_ok, stride_a, v_ptr,
-                      expert * stride_we, n0, stride_wn, N, sv_ptr, s_off, n_ok, K, BN, NATIVE)
-    moe_blocks.store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, tl.trans(gate),
-                           tl.trans(up), limit, SWIGLU)
+                      expert * stride_we, n0, stride_wn, N, sv_ptr, s_off, n_ok, split * chunks, chunks, BN, NATIVE)
+    if SPLITS == 1:
+        moe_blocks.store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, tl.trans(gate),
+                               tl.trans(up), limit, SWIGLU)
+    else:  # partial sums: the activation waits for all of K
+        part = out_ptr + split.to(tl.int64) * stride_split
+        moe_blocks.store_block(part, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, tl.trans(gate),
+                               tl.trans(gate), limit, False)
+        if SWIGLU:
+            moe_blocks.store_block(part + SPLITS * stride_split, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok,
+                                   stride_out, tl.trans(up), tl.trans(up), limit, False)
+
+
+@triton.jit
+def _reduce_splits(parts_ptr, out_ptr, N, stride_split, limit, SPLITS: tl.constexpr, SWIGLU: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out[row] = the sum of the SPLITS partial sums of a row (in split order: the same bits every run), or swiglu of
+    the gate's and the up projection's sums."""
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    row = tl.program_id(0).to(tl.int64) * N + offs
+    gate = tl.zeros((BLOCK,), tl.float32)
+    up = gate
+    for split in tl.static_range(SPLITS):
+        gate += tl.load(parts_ptr + split * stride_split + row, mask=ok, other=0.0)
+        if SWIGLU:
+            up += tl.load(parts_ptr + (SPLITS + split) * stride_split + row, mask=ok, other=0.0)
+    if SWIGLU:
+        gate = moe_blocks.swiglu(gate, up, limit)
+    tl.store(out_ptr + row, gate, mask=ok)
 
 
 # (BN weight rows, warps, pipeline stages) per rows-per-block bucket, the fastest of tools/gpu_mxfp4.py's sweep on the
@@ -280,23 +315,51 @@ def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, ou
 TILES = {16: (64, 4, 3), 64: (128, 8, 4)}
 
 
+# A launch with fewer programs than this many per SM leaves the SMs' schedulers short of warps to hide the decode's
+# latency (a batch-1 step has 6 experts' tiles: 216 programs for w1/w3 on 132 SMs): K is then cut in parts, their
+# partial sums added by a second launch. tools/gpu_mxfp4.py --sweep times other values.
+PROGRAMS_PER_SM = 4
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def splits(programs: int, chunks: int, sms: int) -> int:
+    """Parts to cut K's ``chunks`` into for a launch of ``programs`` programs on ``sms`` SMs: the largest divisor of
+    ``chunks`` up to the factor that brings the launch to PROGRAMS_PER_SM programs per SM."""
+    wanted = -(-PROGRAMS_PER_SM * sms // max(programs, 1))
+    return max(d for d in range(1, min(wanted, chunks) + 1) if chunks % d == 0)
+
+
 def experts(a: torch.Tensor, a_rows, out_rows, w, w_scale, blocks, bm: int, v=None, v_scale=None,
             limit: float = 0.0) -> torch.Tensor:
     """fp32 [len(out_rows), N]: rows of the bf16 activations ``a`` (already FP8-rounded) times the repacked w, or
     swiglu of w and v when v is given; ``blocks`` and ``bm`` as ``moe`` builds them (bm >= 16)."""
     n, k = w.shape[1], 2 * w.shape[2]
-    out = torch.empty(len(out_rows), n, dtype=torch.float32, device=a.device)
+    rows = len(out_rows)
+    out = torch.empty(rows, n, dtype=torch.float32, device=a.device)
     swiglu = v is not None
     native = a.device.type == "cuda"
     scales = w_scale.view(torch.uint8)
     v_scales = (v_scale if swiglu else w_scale).view(torch.uint8)
     bn, warps, stages = TILES[bm]
-    grid = (len(blocks[0]), triton.cdiv(n, bn))
+    # programs with rows: at most one block per assignment and per expert (the routing decides which)
+    busy = min(len(blocks[0]), rows, w.shape[0]) * triton.cdiv(n, bn)
+    parts = splits(busy, k // CHUNK, _sms(a.device))
+    partial = out if parts == 1 else torch.empty((2 if swiglu else 1) * parts, rows, n, dtype=torch.float32,
+                                                  device=a.device)
+    grid = (len(blocks[0]), triton.cdiv(n, bn), parts)
     tuning = {"num_warps": warps, "num_stages": stages} if native else {}
     v = v if swiglu else w
-    _experts_kernel[grid](a, a_rows, w, v, scales, v_scales, out, out_rows, *blocks, n, limit,
+    _experts_kernel[grid](a, a_rows, w, v, scales, v_scales, partial, out_rows, *blocks, n, limit,
                           a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-                          K=k, BLOCK_M=bm, BN=bn, SWIGLU=swiglu, NATIVE=native, **tuning)
+                          rows * n, K=k, BLOCK_M=bm, BN=bn, SWIGLU=swiglu, SPLITS=parts, NATIVE=native, **tuning)
+    if parts > 1 and rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _reduce_splits[(rows, triton.cdiv(n, block))](partial, out, n, rows * n, limit, SPLITS=parts, SWIGLU=swiglu,
+                                                      BLOCK=block)
     return out
 
 
