@@ -21,6 +21,7 @@ from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import ExpertWeights
 from deepinfer_nvidia import moe, moe_mxfp4
 from gpu_kernels import _graph_us  # tools/: a call captured in a CUDA graph, its replays timed
+import mxfp4_peers  # tools/: humming-kernels and triton_kernels on the same problem (--peers)
 
 DEVICE = torch.device("cuda")
 HIDDEN, INTER, EXPERTS, TOP_K = 5120, 2304, 384, 6
@@ -44,7 +45,7 @@ def _time(backend, x, ids, topk_weights, weights, expected) -> dict:
             "err_rel": round(err, 6), "bit_repeatable": repeat}
 
 
-def main(sweep: bool) -> dict:
+def main(sweep: bool, peers: bool = False) -> dict:
     torch.manual_seed(0)
     (w1, s1), (w3, s3), (w2, s2) = _stack(INTER, HIDDEN), _stack(INTER, HIDDEN), _stack(HIDDEN, INTER)
     standard = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, ACTIVATION_BLOCK)
@@ -66,6 +67,13 @@ def main(sweep: bool) -> dict:
         contenders = [("byte layout (previous)", previous, standard, None), ("swap-AB", ours, repacked, None)]
         if sweep:
             contenders += [(f"swap-AB {tile}", ours, repacked, tile) for tile in SWEEP]
+        if peers:  # each peer converted once per batch; a missing or failing one is recorded with its reason
+            for peer, run in mxfp4_peers.prepare_all(x, ids, topk_weights, standard).items():
+                if isinstance(run, str):
+                    rows.append(base | {"kernel": peer, "reason": run})
+                    print(json.dumps(rows[-1]), flush=True)
+                else:
+                    contenders.append((peer, mxfp4_peers.PeerBackend(run), standard, None))
         for name, backend, weights, tile in contenders:
             moe_mxfp4.TILES = default_tiles | ({bm: tile} if tile else {})
             try:
@@ -82,4 +90,6 @@ def main(sweep: bool) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time every SWEEP tile of the swap-AB kernel too")
-    main(parser.parse_args().sweep)
+    parser.add_argument("--peers", action="store_true", help="also time humming-kernels and triton_kernels")
+    arguments = parser.parse_args()
+    main(arguments.sweep, arguments.peers)
