@@ -23,6 +23,7 @@ from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import ExpertWeights
 from deepinfer_nvidia import moe, moe_mxfp4
 from gpu_kernels import _graph_us  # tools/: a call captured in a CUDA graph, its replays timed
+import mxfp4_peers  # tools/: humming-kernels and triton_kernels on the same problem (--peers)
 
 DEVICE = torch.device("cuda")
 HIDDEN, INTER, EXPERTS, TOP_K = 5120, 2304, 384, 6
@@ -67,7 +68,7 @@ def _breakdown(fn) -> dict:
     return {name: round(us, 1) for name, us in sorted(kernels.items(), key=lambda item: -item[1])}
 
 
-def main(sweep: bool, breakdown: bool) -> dict:
+def main(sweep: bool, breakdown: bool, peers: bool = False) -> dict:
     torch.manual_seed(0)
     (w1, s1), (w3, s3), (w2, s2) = _stack(INTER, HIDDEN), _stack(INTER, HIDDEN), _stack(HIDDEN, INTER)
     standard = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, ACTIVATION_BLOCK)
@@ -91,6 +92,13 @@ def main(sweep: bool, breakdown: bool) -> dict:
         if sweep:
             contenders += [(f"swap-AB {tile}", ours, repacked, tile, None) for tile in SWEEP]
             contenders += [(f"swap-AB programs/SM {n}", ours, repacked, None, n) for n in SPLIT_SWEEP if tokens <= 32]
+        if peers:  # each peer converted once per batch; a missing or failing one is recorded with its reason
+            for peer, run in mxfp4_peers.prepare_all(x, ids, topk_weights, standard).items():
+                if isinstance(run, str):
+                    rows.append(base | {"kernel": peer, "reason": run})
+                    print(json.dumps(rows[-1]), flush=True)
+                else:
+                    contenders.append((peer, mxfp4_peers.PeerBackend(run), standard, None, None))
         for name, backend, weights, tile, programs_per_sm in contenders:
             moe_mxfp4.TILES = default_tiles | ({bm: tile} if tile else {})
             moe_mxfp4.PROGRAMS_PER_SM = programs_per_sm or default_programs
@@ -115,5 +123,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time every SWEEP tile of the swap-AB kernel too")
     parser.add_argument("--breakdown", action="store_true", help="each kernel's device time per call, too")
-    args = parser.parse_args()
-    main(args.sweep, args.breakdown)
+    parser.add_argument("--peers", action="store_true", help="also time humming-kernels and triton_kernels")
+    arguments = parser.parse_args()
+    main(arguments.sweep, arguments.breakdown, arguments.peers)
