@@ -117,6 +117,8 @@ if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference
     stamp mxfp4
     timeout ${TESTS_TIMEOUT:-240} python -m pytest -q -x tests/test_nvidia_moe_mxfp4.py tests/test_nvidia_moe.py \
         tests/test_nvidia_moe_grouped.py 2>&1 | tee "$out/mxfp4_tests.txt" | tail -4
+    # the peers (humming-kernels, triton_kernels: tools/mxfp4_peers.py) come along in .peers (carried), never committed
+    [[ "${MXFP4_ARGS:-}" == *--peers* && -d .peers ]] && bash .peers/install.sh 2>&1 | tail -12
     timeout ${MXFP4_TIMEOUT:-360} python tools/gpu_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -40
 fi
 if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton against DeepGEMM's masked GEMM per layer, then

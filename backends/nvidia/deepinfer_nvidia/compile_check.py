@@ -84,12 +84,13 @@ CASES = {
                                           ("scale words", True, 16, True), ("64-row blocks", True, 64, True))},
     **{f"mxfp4 swap-AB experts, {rows}-row blocks, K in {splits}": (
         moe_mxfp4._experts_kernel,
-        {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*i8", "v_ptr": "*i8", "sw_ptr": "*u8", "sv_ptr": "*u8"},
-        {"K": 5120, "BLOCK_M": rows, "BN": bn, "SWIGLU": True, "SPLITS": splits, "NATIVE": True})
+        {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*i8", "v_ptr": "*i8", "sw_ptr": "*i16", "sv_ptr": "*i16"},
+        {"K": 5120, "BLOCK_M": rows, "BN": bn, "SWIGLU": True, "SPLITS": splits, "NATIVE": True, "EVEN_N": True})
         for rows, bn, splits in ((16, 64, 1), (16, 64, 4), (64, 128, 1))},
     "mxfp4 split-K sums": (moe_mxfp4._reduce_splits, {"parts_ptr": "*fp32", "out_ptr": "*fp32"},
                            {"SPLITS": 4, "SWIGLU": True, "BLOCK": 1024}),
-    "mxfp4 repacked dequantization": (moe_mxfp4._dequant_kernel, {"w_ptr": "*i8", "s_ptr": "*u8", "out_ptr": "*bf16"},
+    "mxfp4 repacked dequantization": (moe_mxfp4._dequant_kernel,
+                                      {"w_ptr": "*i8", "s_ptr": "*i16", "out_ptr": "*bf16"},
                                       {"K": 2304, "ROWS": 16}),
     "float experts": (moe._float_experts_kernel, {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*bf16",
                                                   "v_ptr": "*bf16"},

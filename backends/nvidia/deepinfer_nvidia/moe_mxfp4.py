@@ -185,15 +185,29 @@ def _columns_of_pairs(even, odd):
 
 
 @triton.jit
-def _lines(w_ptr, w_base, n0, stride_wn, N, chunk, BN: tl.constexpr):
+def _lines(w_ptr, w_base, n0, stride_wn, N, chunk, BN: tl.constexpr, EVEN_N: tl.constexpr):
     """A chunk's repacked bytes for the BN rows from ``n0``: [BN/2, 64], line g holding the words of block g // 8's
-    rows r = g % 8 and r + 8 (rows 2r and 2r + 1 of the block in memory)."""
+    rows r = g % 8 and r + 8 (rows 2r and 2r + 1 of the block in memory). EVEN_N: every row exists (N % BN == 0)."""
     line = tl.arange(0, BN // 2)
     column = tl.arange(0, 64)[None, :]
     block_row = n0 + 16 * (line // 8)
     row = (block_row + 2 * (line % 8))[:, None] + column // 32
-    return tl.load(w_ptr + w_base + row.to(tl.int64) * stride_wn + chunk * 32 + column % 32,
-                   mask=(block_row < N)[:, None], other=0)
+    ptrs = w_ptr + w_base + row.to(tl.int64) * stride_wn + chunk * 32 + column % 32
+    if EVEN_N:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(block_row < N)[:, None], other=0)
+
+
+@triton.jit
+def _exponents(s_ptr, s_off, n_ok, chunk, EVEN_N: tl.constexpr):
+    """The e8m0 exponents (int32) of a chunk's two 32-column blocks for the tile's rows, in one 16-bit load per row:
+    ``s_ptr`` is the scales viewed as int16, chunk c's blocks 2c and 2c + 1 its low and high byte."""
+    if EVEN_N:
+        pair = tl.load(s_ptr + s_off + chunk)
+    else:
+        pair = tl.load(s_ptr + s_off + chunk, mask=n_ok, other=0x7F7F)
+    pair = pair.to(tl.int32)
+    return pair & 0xFF, (pair >> 8) & 0xFF
 
 
 @triton.jit
@@ -203,12 +217,11 @@ def _operand_bytes(lines, BN: tl.constexpr):
 
 
 @triton.jit
-def _chunk(w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk, BN: tl.constexpr, NATIVE: tl.constexpr):
-    """One 64-column chunk of the BN weight rows from ``n0`` as two [BN, 32] tiles (columns 0-31, 32-63), scaled
-    (``s_off``, ``n_ok``: the rows' scale offsets and mask): bf16 on a GPU, fp32 in the interpreter."""
-    exp_a = tl.load(s_ptr + s_off + 2 * chunk, mask=n_ok, other=127).to(tl.int32) & 0xFF
-    exp_b = tl.load(s_ptr + s_off + 2 * chunk + 1, mask=n_ok, other=127).to(tl.int32) & 0xFF
-    lines = _lines(w_ptr, w_base, n0, stride_wn, N, chunk, BN)
+def _chunk(w_ptr, w_base, n0, stride_wn, N, exp_a, exp_b, chunk, BN: tl.constexpr, NATIVE: tl.constexpr,
+           EVEN_N: tl.constexpr):
+    """One 64-column chunk of the BN weight rows from ``n0`` as two [BN, 32] tiles (columns 0-31, 32-63), scaled by
+    ``exp_a`` and ``exp_b`` (``_exponents``): bf16 on a GPU, fp32 in the interpreter."""
+    lines = _lines(w_ptr, w_base, n0, stride_wn, N, chunk, BN, EVEN_N)
     if NATIVE:
         packed = _operand_bytes(lines, BN)
         a, b = tl.inline_asm_elementwise(
@@ -236,13 +249,14 @@ def _chunk(w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk, BN: tl.co
 
 @triton.jit
 def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, first,
-             CHUNKS: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr):
+             CHUNKS: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr, EVEN_N: tl.constexpr):
     """``acc`` [BN, BM] plus this tile's weight rows times the activation rows ``rows`` [BM], over the CHUNKS
     64-column chunks of K from chunk ``first``."""
     cols = tl.arange(0, 32)
     for step in range(CHUNKS):
         chunk = first + step
-        w_a, w_b = _chunk(w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk, BN, NATIVE)
+        exp_a, exp_b = _exponents(s_ptr, s_off, n_ok, chunk, EVEN_N)
+        w_a, w_b = _chunk(w_ptr, w_base, n0, stride_wn, N, exp_a, exp_b, chunk, BN, NATIVE, EVEN_N)
         a_lo = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + cols[None, :], mask=m_ok[:, None], other=0.0)
         a_hi = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + 32 + cols[None, :], mask=m_ok[:, None],
                        other=0.0)
@@ -259,7 +273,7 @@ def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, 
 def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, out_rows_ptr, block_expert_ptr,
                     block_start_ptr, block_rows_ptr, N, limit, stride_a, stride_we, stride_wn, stride_se, stride_sn,
                     stride_out, stride_split, K: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-                    SWIGLU: tl.constexpr, SPLITS: tl.constexpr, NATIVE: tl.constexpr):
+                    SWIGLU: tl.constexpr, SPLITS: tl.constexpr, NATIVE: tl.constexpr, EVEN_N: tl.constexpr):
     """out = a W^T for one block of rows (an expert's) and BN columns; with SWIGLU, swiglu(a W^T, a V^T). With K cut
     in SPLITS parts, program (.., .., s) writes part s's sums to ``out[s]`` (and the up projection's to
     ``out[SPLITS + s]``) for ``_reduce_splits``."""
@@ -273,11 +287,12 @@ def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, ou
     chunks: tl.constexpr = K // 64 // SPLITS
     split = tl.program_id(2)
     gate = _project(tl.zeros((BN, BLOCK_M), dtype=tl.float32), a_ptr, rows, m_ok, stride_a, w_ptr, expert * stride_we,
-                    n0, stride_wn, N, sw_ptr, s_off, n_ok, split * chunks, chunks, BN, NATIVE)
+                    n0, stride_wn, N, sw_ptr, s_off, n_ok, split * chunks, chunks, BN, NATIVE, EVEN_N)
     up = gate
     if SWIGLU:
         up = _project(tl.zeros((BN, BLOCK_M), dtype=tl.float32), a_ptr, rows, m_ok, stride_a, v_ptr,
-                      expert * stride_we, n0, stride_wn, N, sv_ptr, s_off, n_ok, split * chunks, chunks, BN, NATIVE)
+                      expert * stride_we, n0, stride_wn, N, sv_ptr, s_off, n_ok, split * chunks, chunks, BN, NATIVE,
+                      EVEN_N)
     if SPLITS == 1:
         moe_blocks.store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, tl.trans(gate),
                                tl.trans(up), limit, SWIGLU)
@@ -342,8 +357,8 @@ def experts(a: torch.Tensor, a_rows, out_rows, w, w_scale, blocks, bm: int, v=No
     out = torch.empty(rows, n, dtype=torch.float32, device=a.device)
     swiglu = v is not None
     native = a.device.type == "cuda"
-    scales = w_scale.view(torch.uint8)
-    v_scales = (v_scale if swiglu else w_scale).view(torch.uint8)
+    scales = w_scale.view(torch.int16)  # a chunk's two exponents in one load (_exponents)
+    v_scales = (v_scale if swiglu else w_scale).view(torch.int16)
     bn, warps, stages = TILES[bm]
     # programs with rows: at most one block per assignment and per expert (the routing decides which)
     busy = min(len(blocks[0]), rows, w.shape[0]) * triton.cdiv(n, bn)
@@ -355,7 +370,8 @@ def experts(a: torch.Tensor, a_rows, out_rows, w, w_scale, blocks, bm: int, v=No
     v = v if swiglu else w
     _experts_kernel[grid](a, a_rows, w, v, scales, v_scales, partial, out_rows, *blocks, n, limit,
                           a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-                          rows * n, K=k, BLOCK_M=bm, BN=bn, SWIGLU=swiglu, SPLITS=parts, NATIVE=native, **tuning)
+                          rows * n, K=k, BLOCK_M=bm, BN=bn, SWIGLU=swiglu, SPLITS=parts, NATIVE=native,
+                          EVEN_N=n % bn == 0, **tuning)
     if parts > 1 and rows:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_splits[(rows, triton.cdiv(n, block))](partial, out, n, rows * n, limit, SPLITS=parts, SWIGLU=swiglu,
@@ -373,7 +389,8 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, rows, stride_wr, stride_sr, K: tl.con
     row = row.to(tl.int64)
     cols = tl.arange(0, 32)
     for chunk in range(K // 64):
-        a, b = _chunk(w_ptr, 0, n0, stride_wr, rows, s_ptr, row * stride_sr, ok, chunk, ROWS, False)
+        exp_a, exp_b = _exponents(s_ptr, row * stride_sr, ok, chunk, False)
+        a, b = _chunk(w_ptr, 0, n0, stride_wr, rows, exp_a, exp_b, chunk, ROWS, False, False)
         base = out_ptr + row[:, None] * K + chunk * 64 + cols[None, :]
         tl.store(base, a.to(tl.bfloat16), mask=ok[:, None])
         tl.store(base + 32, b.to(tl.bfloat16), mask=ok[:, None])
@@ -388,7 +405,7 @@ def dequantize(repacked: torch.Tensor, scales: torch.Tensor, out: torch.Tensor |
     if experts * rows:
         tile_rows = 16
         _dequant_kernel[(triton.cdiv(experts * rows, tile_rows),)](
-            repacked, scales.view(torch.uint8), out, experts * rows, half, 2 * half // 32, K=2 * half,
+            repacked, scales.view(torch.int16), out, experts * rows, half, 2 * half // 64, K=2 * half,
             ROWS=tile_rows)
     return out[:experts]
 
