@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -27,9 +28,10 @@ import mxfp4_peers  # tools/: humming-kernels and triton_kernels on the same pro
 
 DEVICE = torch.device("cuda")
 HIDDEN, INTER, EXPERTS, TOP_K = 5120, 2304, 384, 6
-BATCHES = [1, 8, 16, 32, 64, 256, 2048]
+BATCHES = [int(b) for b in os.environ.get("MXFP4_BATCHES", "1 8 16 32 64 256 2048").split()]
 ACTIVATION_BLOCK = 32  # V4.1's weight_block_size (V4's is 128)
-SWEEP = [(64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3)]
+# (BN, warps, stages, chunks per loop step): moe_mxfp4.TILES's entries
+SWEEP = [(64, 4, 3, 1), (64, 4, 3, 2), (64, 4, 2, 4), (64, 4, 4, 4), (128, 4, 3, 4), (128, 8, 4, 2), (128, 8, 4, 4)]
 SPLIT_SWEEP = [1, 2, 8, 16]  # moe_mxfp4.PROGRAMS_PER_SM (its default is timed as "swap-AB")
 BREAKDOWN_REPLAYS = 20
 

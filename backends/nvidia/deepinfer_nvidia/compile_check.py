@@ -82,11 +82,12 @@ CASES = {
          "PACKED": packed, "WORD_SCALES": words})
         for name, packed, rows, words in (("int16 decode", False, 16, False), ("packed decode", True, 16, False),
                                           ("scale words", True, 16, True), ("64-row blocks", True, 64, True))},
-    **{f"mxfp4 swap-AB experts, {rows}-row blocks, K in {splits}": (
+    **{f"mxfp4 swap-AB experts, {rows}-row blocks, K in {splits}, {unroll} chunks a step": (
         moe_mxfp4._experts_kernel,
         {**EXPERT_POINTERS, "a_ptr": "*bf16", "w_ptr": "*i8", "v_ptr": "*i8", "sw_ptr": "*i16", "sv_ptr": "*i16"},
-        {"K": 5120, "BLOCK_M": rows, "BN": bn, "SWIGLU": True, "SPLITS": splits, "NATIVE": True, "EVEN_N": True})
-        for rows, bn, splits in ((16, 64, 1), (16, 64, 4), (64, 128, 1))},
+        {"K": 5120, "BLOCK_M": rows, "BN": bn, "SWIGLU": True, "SPLITS": splits, "UNROLL": unroll, "NATIVE": True,
+         "EVEN_N": True})
+        for rows, bn, splits, unroll in ((16, 64, 1, 4), (16, 64, 4, 2), (64, 128, 1, 1))},
     "mxfp4 split-K sums": (moe_mxfp4._reduce_splits, {"parts_ptr": "*fp32", "out_ptr": "*fp32"},
                            {"SPLITS": 4, "SWIGLU": True, "BLOCK": 1024}),
     "mxfp4 repacked dequantization": (moe_mxfp4._dequant_kernel,

@@ -248,24 +248,33 @@ def _chunk(w_ptr, w_base, n0, stride_wn, N, exp_a, exp_b, chunk, BN: tl.constexp
 
 
 @triton.jit
-def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, first,
-             CHUNKS: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr, EVEN_N: tl.constexpr):
-    """``acc`` [BN, BM] plus this tile's weight rows times the activation rows ``rows`` [BM], over the CHUNKS
-    64-column chunks of K from chunk ``first``."""
+def _chunk_product(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, chunk,
+                   BN: tl.constexpr, NATIVE: tl.constexpr, EVEN_N: tl.constexpr):
+    """``acc`` plus one 64-column chunk's product."""
     cols = tl.arange(0, 32)
-    for step in range(CHUNKS):
-        chunk = first + step
-        exp_a, exp_b = _exponents(s_ptr, s_off, n_ok, chunk, EVEN_N)
-        w_a, w_b = _chunk(w_ptr, w_base, n0, stride_wn, N, exp_a, exp_b, chunk, BN, NATIVE, EVEN_N)
-        a_lo = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + cols[None, :], mask=m_ok[:, None], other=0.0)
-        a_hi = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + 32 + cols[None, :], mask=m_ok[:, None],
-                       other=0.0)
-        if NATIVE:
-            acc = tl.dot(w_a, tl.trans(a_lo), acc)
-            acc = tl.dot(w_b, tl.trans(a_hi), acc)
-        else:  # the interpreter: fp32 products of the same exact values
-            acc = tl.dot(w_a, tl.trans(a_lo.to(tl.float32)), acc)
-            acc = tl.dot(w_b, tl.trans(a_hi.to(tl.float32)), acc)
+    exp_a, exp_b = _exponents(s_ptr, s_off, n_ok, chunk, EVEN_N)
+    w_a, w_b = _chunk(w_ptr, w_base, n0, stride_wn, N, exp_a, exp_b, chunk, BN, NATIVE, EVEN_N)
+    a_lo = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + cols[None, :], mask=m_ok[:, None], other=0.0)
+    a_hi = tl.load(a_ptr + rows[:, None] * stride_a + chunk * 64 + 32 + cols[None, :], mask=m_ok[:, None], other=0.0)
+    if NATIVE:
+        acc = tl.dot(w_a, tl.trans(a_lo), acc)
+        acc = tl.dot(w_b, tl.trans(a_hi), acc)
+    else:  # the interpreter: fp32 products of the same exact values
+        acc = tl.dot(w_a, tl.trans(a_lo.to(tl.float32)), acc)
+        acc = tl.dot(w_b, tl.trans(a_hi.to(tl.float32)), acc)
+    return acc
+
+
+@triton.jit
+def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off, n_ok, first,
+             CHUNKS: tl.constexpr, UNROLL: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr,
+             EVEN_N: tl.constexpr):
+    """``acc`` [BN, BM] plus this tile's weight rows times the activation rows ``rows`` [BM], over the CHUNKS
+    64-column chunks of K from chunk ``first``, UNROLL of them per loop step."""
+    for step in range(CHUNKS // UNROLL):
+        for part in tl.static_range(UNROLL):
+            acc = _chunk_product(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, s_ptr, s_off,
+                                 n_ok, first + step * UNROLL + part, BN, NATIVE, EVEN_N)
     return acc
 
 
@@ -273,7 +282,8 @@ def _project(acc, a_ptr, rows, m_ok, stride_a, w_ptr, w_base, n0, stride_wn, N, 
 def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, out_rows_ptr, block_expert_ptr,
                     block_start_ptr, block_rows_ptr, N, limit, stride_a, stride_we, stride_wn, stride_se, stride_sn,
                     stride_out, stride_split, K: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-                    SWIGLU: tl.constexpr, SPLITS: tl.constexpr, NATIVE: tl.constexpr, EVEN_N: tl.constexpr):
+                    SWIGLU: tl.constexpr, SPLITS: tl.constexpr, UNROLL: tl.constexpr, NATIVE: tl.constexpr,
+                    EVEN_N: tl.constexpr):
     """out = a W^T for one block of rows (an expert's) and BN columns; with SWIGLU, swiglu(a W^T, a V^T). With K cut
     in SPLITS parts, program (.., .., s) writes part s's sums to ``out[s]`` (and the up projection's to
     ``out[SPLITS + s]``) for ``_reduce_splits``."""
@@ -287,12 +297,12 @@ def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, ou
     chunks: tl.constexpr = K // 64 // SPLITS
     split = tl.program_id(2)
     gate = _project(tl.zeros((BN, BLOCK_M), dtype=tl.float32), a_ptr, rows, m_ok, stride_a, w_ptr, expert * stride_we,
-                    n0, stride_wn, N, sw_ptr, s_off, n_ok, split * chunks, chunks, BN, NATIVE, EVEN_N)
+                    n0, stride_wn, N, sw_ptr, s_off, n_ok, split * chunks, chunks, UNROLL, BN, NATIVE, EVEN_N)
     up = gate
     if SWIGLU:
         up = _project(tl.zeros((BN, BLOCK_M), dtype=tl.float32), a_ptr, rows, m_ok, stride_a, v_ptr,
-                      expert * stride_we, n0, stride_wn, N, sv_ptr, s_off, n_ok, split * chunks, chunks, BN, NATIVE,
-                      EVEN_N)
+                      expert * stride_we, n0, stride_wn, N, sv_ptr, s_off, n_ok, split * chunks, chunks, UNROLL, BN,
+                      NATIVE, EVEN_N)
     if SPLITS == 1:
         moe_blocks.store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, tl.trans(gate),
                                tl.trans(up), limit, SWIGLU)
@@ -324,10 +334,13 @@ def _reduce_splits(parts_ptr, out_ptr, N, stride_split, limit, SPLITS: tl.conste
     tl.store(out_ptr + row, gate, mask=ok)
 
 
-# (BN weight rows, warps, pipeline stages) per rows-per-block bucket, the fastest of tools/gpu_mxfp4.py's sweep on the
-# H200 (BENCHMARKS.md). With 64-row blocks, BN = 64 and 4 warps gave non-finite, unrepeatable results under Triton
-# 3.6's ptxas 12.8 (the register-operand wgmma hazard that CUDA 13.3's ptxas fixes): 128-row tiles only there.
-TILES = {16: (64, 4, 3), 64: (128, 8, 4)}
+# (BN weight rows, warps, pipeline stages, chunks per loop step) per rows-per-block bucket, the fastest of
+# tools/gpu_mxfp4.py's sweep on the H200 (BENCHMARKS.md). Four chunks a step spread the pipeline's per-step
+# bookkeeping (stage indices, a barrier, loop control) over 256 columns: 119 SASS per chunk in the 16-row loop, against
+# 151 at one chunk a step (ptxas 12.8); the 64-row tile keeps one, whose four would take 180 KB of shared memory (one
+# program per SM). With 64-row blocks, BN = 64 and 4 warps gave non-finite, unrepeatable results under Triton 3.6's
+# ptxas 12.8 (the register-operand wgmma hazard that CUDA 13.3's ptxas fixes): 128-row tiles only there.
+TILES = {16: (64, 4, 3, 4), 64: (128, 8, 4, 1)}
 
 
 # A launch with fewer programs than this many per SM leaves the SMs' schedulers short of warps to hide the decode's
@@ -359,18 +372,20 @@ def experts(a: torch.Tensor, a_rows, out_rows, w, w_scale, blocks, bm: int, v=No
     native = a.device.type == "cuda"
     scales = w_scale.view(torch.int16)  # a chunk's two exponents in one load (_exponents)
     v_scales = (v_scale if swiglu else w_scale).view(torch.int16)
-    bn, warps, stages = TILES[bm]
+    bn, warps, stages, unroll = TILES[bm]
     # programs with rows: at most one block per assignment and per expert (the routing decides which)
     busy = min(len(blocks[0]), rows, w.shape[0]) * triton.cdiv(n, bn)
     parts = splits(busy, k // CHUNK, _sms(a.device))
     partial = out if parts == 1 else torch.empty((2 if swiglu else 1) * parts, rows, n, dtype=torch.float32,
                                                   device=a.device)
     grid = (len(blocks[0]), triton.cdiv(n, bn), parts)
+    while (k // CHUNK // parts) % unroll:
+        unroll //= 2
     tuning = {"num_warps": warps, "num_stages": stages} if native else {}
     v = v if swiglu else w
     _experts_kernel[grid](a, a_rows, w, v, scales, v_scales, partial, out_rows, *blocks, n, limit,
                           a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-                          rows * n, K=k, BLOCK_M=bm, BN=bn, SWIGLU=swiglu, SPLITS=parts, NATIVE=native,
+                          rows * n, K=k, BLOCK_M=bm, BN=bn, SWIGLU=swiglu, SPLITS=parts, UNROLL=unroll, NATIVE=native,
                           EVEN_N=n % bn == 0, **tuning)
     if parts > 1 and rows:
         block = min(1024, triton.next_power_of_2(n))
