@@ -60,6 +60,9 @@ else  # build.sh failed: register the plugin by hand
     echo "build.sh did not install the plugin; registering it by hand"
 fi
 export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
+# a script run with the plugin registered by hand when build.sh did not install it (its entry point is missing)
+py=(python)
+[[ ${bench[0]} == python ]] && py=(python -c "import runpy, sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 if has tests; then
     stamp tests
@@ -133,7 +136,7 @@ if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton aga
     for kernels in ${FP8_KERNELS:-auto}; do
         for b in ${FP8_BATCHES:-1 64}; do
             stamp "flash4Lfp8 b$b kernels=$kernels"
-            DEEPINFER_KERNELS=$kernels timeout 330 python tools/profile_decode.py /tmp/flash4Lfp8 --dummy --graphs \
+            DEEPINFER_KERNELS=$kernels timeout 330 "${py[@]}" tools/profile_decode.py /tmp/flash4Lfp8 --dummy --graphs \
                 --steps 48 --top 8 --trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/flash4Lfp8.jsonl"
         done
     done
@@ -154,7 +157,7 @@ latency() {  # name, then bench latency arguments (--model defaults to flash4L)
 if has profile; then  # kernels per eager decode step at batch 1 and 16
     for b in 1 16; do
         stamp "profile b$b"
-        python tools/profile_decode.py /tmp/flash4L --dummy --batch-size $b 2>&1 | grep -v INFO | head -22
+        "${py[@]}" tools/profile_decode.py /tmp/flash4L --dummy --batch-size $b 2>&1 | grep -v INFO | head -22
     done
 fi
 if has idle; then  # device idle share between replayed decode steps, with and without overlap
@@ -165,13 +168,13 @@ if has idle; then  # device idle share between replayed decode steps, with and w
                 dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
                 trace=--trace; [[ ${TRACE:-1} == 0 ]] && trace=
                 stamp "idle $m b$b async=$a"
-                DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 python tools/profile_decode.py $m $dummy --graphs --steps 48 --top ${TOP:-30} \
+                DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 "${py[@]}" tools/profile_decode.py $m $dummy --graphs --steps 48 --top ${TOP:-30} \
                     $trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle.jsonl"
             done
         done
     done
     stamp "host profile flash4L b1"  # where the host's step goes at batch 1
-    [[ ${HOST_PROFILE:-0} == 1 ]] && timeout 200 python tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
+    [[ ${HOST_PROFILE:-0} == 1 ]] && timeout 200 "${py[@]}" tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
         2>&1 | grep -v INFO > "$out/host_flash4L_b1.txt"
 fi
 if has small || has b1; then  # b1: the two headline figures only
@@ -225,7 +228,7 @@ fi
 if has invariant; then  # batch-invariant mode on flash4L: one output among random batches, and its cost
     for mode in 1 0; do
         stamp "batch invariance flash4L mode=$mode"
-        DEEPINFER_BATCH_INVARIANT=$mode timeout 240 python tools/batch_invariance.py /tmp/flash4L --load-format dummy \
+        DEEPINFER_BATCH_INVARIANT=$mode timeout 240 "${py[@]}" tools/batch_invariance.py /tmp/flash4L --load-format dummy \
             --runs ${INVARIANCE_RUNS:-12} 2>&1 | grep -v INFO | tail -2 | tee -a "$out/invariance.jsonl"
     done
     for b in ${INVARIANT_BATCHES:-16 1}; do
@@ -271,7 +274,7 @@ fi
 if has v41profile; then  # where V4.1's batch-1 decode step spends its device time: replayed graphs, kernels by device time
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     stamp "profile v41flash8L b1"
-    timeout 300 python tools/profile_decode.py /tmp/v41flash8L --dummy --graphs --steps 48 --top ${TOP:-40} --trace \
+    timeout 300 "${py[@]}" tools/profile_decode.py /tmp/v41flash8L --dummy --graphs --steps 48 --top ${TOP:-40} --trace \
         --batch-size 1 2>&1 | grep -v INFO | tail -1 | tee "$out/v41_profile_b1.json"
 fi
 stamp done

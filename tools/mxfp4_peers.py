@@ -267,7 +267,8 @@ def prepare_humming(x, topk_ids, topk_weights, w1, w3, w2, s1, s3, s2, limit) ->
         t13 = get_heuristics_config(layer_config=l13.humming_config, gemm_type=GemmType.INDEXED)
         t2 = get_heuristics_config(layer_config=l2.humming_config, gemm_type=GemmType.INDEXED)
         block_m = _humming_block_m(t13, tokens * k)
-        sorted_ids, expert_ids, padded = humming_routing(topk_ids, experts, block_m)
+        # contiguous: a [T, k] slice of a wider argsort (the benchmark's routing) fails humming's flattening view
+        sorted_ids, expert_ids, padded = humming_routing(topk_ids.contiguous(), experts, block_m)
         t13s, t2s = json.dumps(t13), json.dumps(t2)
         gate_up = torch.empty(tokens * k, 2 * inter, dtype=torch.bfloat16, device=x.device)
         down = torch.empty(tokens * k, hidden, dtype=torch.bfloat16, device=x.device)
