@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backends" / "ascend"))  # when not pip-installed
 
 from deepinfer import envs  # noqa: E402
-from deepinfer.core.config import EngineConfig  # noqa: E402
-from deepinfer.core.fp8_kv import FP8Rows  # noqa: E402
-from deepinfer.core.ops import swiglu  # noqa: E402
-from deepinfer.core.quantization import round_fp8  # noqa: E402
+from deepinfer.engine.config import EngineConfig  # noqa: E402
+from deepinfer.runtime.fp8_kv import FP8Rows  # noqa: E402
+from deepinfer.runtime.ops import swiglu  # noqa: E402
+from deepinfer.runtime.quantization import round_fp8  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402

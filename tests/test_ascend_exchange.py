@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backends" / "ascend"))  # when not pip-installed
 
 from deepinfer import envs  # noqa: E402
-from deepinfer.core.config import EngineConfig  # noqa: E402
+from deepinfer.engine.config import EngineConfig  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import Dispatched, ExpertWeights  # noqa: E402
 from deepinfer_ascend import plugin  # noqa: E402

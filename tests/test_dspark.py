@@ -13,7 +13,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.models.deepseek_v41.dspark import DraftInputs
-from deepinfer.core.model_source import EMBEDDED_MODEL_DIR
+from deepinfer.loading.model_source import EMBEDDED_MODEL_DIR
 from deepinfer.plugins.manager import PluginError, registered
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dspark_golden.pt"

@@ -96,7 +96,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
     assert "deepinfer.llm" in graph["deepinfer"]  # ``deepinfer.__getattr__`` imports it on first use
-    assert "deepinfer.core.scheduler" in graph["deepinfer.core.setup"]
+    assert "deepinfer.engine.scheduler" in graph["deepinfer.engine.setup"]
 
 
 def test_deepinfer_has_no_import_cycle():

@@ -17,7 +17,7 @@ assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Tri
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.quantization import blockwise_linear, quantize_fp4, quantize_fp8  # noqa: E402
+from deepinfer.runtime.quantization import blockwise_linear, quantize_fp4, quantize_fp8  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402

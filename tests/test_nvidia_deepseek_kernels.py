@@ -1,5 +1,5 @@
 """DeepSeek's kernels in the NVIDIA plugin: the loader's report, and, on a GPU where build.sh provisioned FlashMLA,
-its sparse decode over the engine's FP8 KV layout (``deepinfer.core.fp8_kv``) against the reference attention."""
+its sparse decode over the engine's FP8 KV layout (``deepinfer.runtime.fp8_kv``) against the reference attention."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.core.fp8_kv import FP8Rows  # noqa: E402
+from deepinfer.runtime.fp8_kv import FP8Rows  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer_nvidia import deepseek_kernels as dk  # noqa: E402
 

@@ -66,7 +66,7 @@ def relative_error(npu_out: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def attention_checks(ops, device) -> list[Check]:
-    from deepinfer.core.fp8_kv import FP8Rows
+    from deepinfer.runtime.fp8_kv import FP8Rows
     from deepinfer.plugins.builtin.torch_attention import TorchAttention
     from deepinfer_ascend.attention import AscendAttention
 
@@ -103,7 +103,7 @@ def attention_checks(ops, device) -> list[Check]:
 
 
 def moe_checks(ops, device) -> list[Check]:
-    from deepinfer.core.quantization import quantize_fp4, quantize_fp8
+    from deepinfer.runtime.quantization import quantize_fp4, quantize_fp8
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
     from deepinfer.plugins.interfaces import ExpertWeights
     from deepinfer_ascend.moe import AscendMoE
@@ -234,7 +234,7 @@ def ep_checks() -> list[Check]:
 
 
 def selected_backends(device) -> list[str]:
-    from deepinfer.core.config import EngineConfig
+    from deepinfer.engine.config import EngineConfig
     from deepinfer.plugins import manager
 
     manager.load_plugins()
@@ -252,7 +252,7 @@ def selected_backends(device) -> list[str]:
 
 def generation_checks(device, max_tokens: int) -> list[Check]:
     from deepinfer import LLM, SamplingParams
-    from deepinfer.core.model_source import EMBEDDED_MODEL
+    from deepinfer.loading.model_source import EMBEDDED_MODEL
     from deepinfer.testing.tiny_v4 import build_tiny_v4
 
     prompts = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n"]

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.core.linear import quantizable_weights
-from deepinfer.core.tokenizer import load_tokenizer
-from deepinfer.core.weights import dummy_layout
+from deepinfer.runtime.linear import quantizable_weights
+from deepinfer.loading.tokenizer import load_tokenizer
+from deepinfer.loading.weights import dummy_layout
 from deepinfer.models.registry import model_class, model_config
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC

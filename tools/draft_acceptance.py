@@ -31,7 +31,7 @@ os.environ.setdefault("DEEPINFER_PLUGINS", "mtp")
 os.environ.setdefault("DEEPINFER_ENABLE_MTP_VARLEN", "0")
 
 from deepinfer import LLM, SamplingParams  # noqa: E402 (after the environment it reads)
-from deepinfer.core import speculation  # noqa: E402
+from deepinfer.engine import speculation  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_tiny_v41 import heldout_windows  # noqa: E402

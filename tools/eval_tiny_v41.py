@@ -22,7 +22,7 @@ import torch
 torch.set_flush_denormal(True)
 
 from deepinfer import LLM  # noqa: E402
-from deepinfer.core.model_source import EMBEDDED_MODEL  # noqa: E402
+from deepinfer.loading.model_source import EMBEDDED_MODEL  # noqa: E402
 from deepinfer.testing.probes import prefill_logits  # noqa: E402
 
 WINDOW = 512

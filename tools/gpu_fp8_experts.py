@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from deepinfer.core.quantization import quantize_fp8
+from deepinfer.runtime.quantization import quantize_fp8
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import ExpertWeights
 from deepinfer_nvidia.deepseek_kernels import masked_fp8_gemm

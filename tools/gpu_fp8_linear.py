@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8
+from deepinfer.runtime.quantization import blockwise_linear, dequantize, quantize_fp8
 from deepinfer_nvidia import fp8_linear as module
 import triton.testing
 from gpu_kernels import HBM_COPY_BYTES_PER_S

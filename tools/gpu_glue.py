@@ -17,8 +17,8 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from deepinfer.core.forward_batch import StepInputs
-from deepinfer.core.slots import SlotLayout
+from deepinfer.runner.forward_batch import StepInputs
+from deepinfer.runtime.slots import SlotLayout
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC
 from deepinfer.plugins.builtin.torch_moe import TorchMoE

@@ -34,8 +34,8 @@ import triton.testing
 
 from deepinfer_nvidia import deepseek_kernels
 from deepinfer_nvidia import moe_grouped
-from deepinfer.core.fp8_kv import FP8Rows
-from deepinfer.core.quantization import quantize_fp4, quantize_fp8
+from deepinfer.runtime.fp8_kv import FP8Rows
+from deepinfer.runtime.quantization import quantize_fp4, quantize_fp8
 from deepinfer.plugins.interfaces import ExpertWeights
 from deepinfer_nvidia.fp8_linear import fp8_linear
 from deepinfer_nvidia.logits import bf16_logits

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from deepinfer.core.quantization import quantize_fp4
+from deepinfer.runtime.quantization import quantize_fp4
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import ExpertWeights
 from deepinfer_nvidia import moe, moe_mxfp4

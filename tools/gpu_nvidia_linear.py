@@ -23,7 +23,7 @@ import triton.testing
 
 torch.set_flush_denormal(True)
 
-from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8  # noqa: E402
+from deepinfer.runtime.quantization import blockwise_linear, dequantize, quantize_fp8  # noqa: E402
 from deepinfer_nvidia.fp8_linear import TritonLinear  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -57,7 +57,7 @@ def kernels() -> list[dict]:
 
 def moe() -> list[dict]:
     """V4-Flash experts (hidden 4096, intermediate 2048, MXFP4, top-6) for a few token counts."""
-    from deepinfer.core.quantization import quantize_fp4
+    from deepinfer.runtime.quantization import quantize_fp4
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
     from deepinfer.plugins.interfaces import ExpertWeights
     from deepinfer_nvidia.moe import TritonMoE
@@ -95,7 +95,7 @@ def engine() -> dict:
 
     prompts = ["def fibonacci(n):", '"""Return the', "import os\n", "class Stack:"] * 4
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    code = Path("deepinfer/core/scheduler.py").read_text()
+    code = Path("deepinfer/engine/scheduler.py").read_text()
     results, logits = {}, {}
     for label in ("torch-reference", "triton"):
         if label == "triton":

@@ -36,7 +36,7 @@ def bench_load(out: Path, synth: Path) -> dict:
 
 
 def dummy(synth: Path) -> dict:
-    from deepinfer.core.config import EngineConfig
+    from deepinfer.engine.config import EngineConfig
     from deepinfer.models.loader import load_model
     from deepinfer.models.registry import model_config
     from deepinfer.plugins.builtin.torch_attention import TorchAttention

@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core.cuda_graphs import DecodeGraphs
+from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.testing.flash_fixtures import write_fixture
 
 SHRUNK = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_attention_heads=4, head_dim=64,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.convert import QUANTIZATION_CONFIG, V41
+from deepinfer.loading.convert import QUANTIZATION_CONFIG, V41
 from deepinfer.testing.tiny_tokenizer import build_tiny_tokenizer
 
 TINY_V41 = dict(
@@ -62,8 +62,8 @@ TINY_V41 = dict(
 )
 
 def released_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Float tensors under released names -> the released dtypes (``deepinfer.convert.V41``: FP8/MXFP4 + e8m0
-    scales, fp32, else bf16), as ``python -m deepinfer.convert`` writes them."""
+    """Float tensors under released names -> the released dtypes (``deepinfer.loading.convert.V41``: FP8/MXFP4 + e8m0
+    scales, fp32, else bf16), as ``python -m deepinfer.loading.convert`` writes them."""
     out = {}
     for name, value in tensors.items():
         out.update(V41.store(name, value))

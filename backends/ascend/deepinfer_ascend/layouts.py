@@ -11,8 +11,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from deepinfer.core.fp8_kv import WIDTH as FP8_WIDTH, FP8Rows
-from deepinfer.core.quantization import dequantize, round_fp8
+from deepinfer.runtime.fp8_kv import WIDTH as FP8_WIDTH, FP8Rows
+from deepinfer.runtime.quantization import dequantize, round_fp8
 
 Pool = torch.Tensor | FP8Rows
 
@@ -208,7 +208,7 @@ def combine(y: torch.Tensor, expanded_row_idx: torch.Tensor, topk_ids: torch.Ten
 
 def sinkhorn_arguments(comb_logits: torch.Tensor, iters: int, eps: float) -> tuple[tuple, dict]:
     """npu_mhc_sinkhorn on [T, n, n] fp32 logits: a row softmax plus eps, a column normalisation, then ``iters - 1``
-    row/column pairs, each sum plus eps: ``deepinfer.core.ops.sinkhorn`` step for step."""
+    row/column pairs, each sum plus eps: ``deepinfer.runtime.ops.sinkhorn`` step for step."""
     return (comb_logits.float().contiguous(),), dict(eps=float(eps), num_iters=int(iters), out_flag=0)
 
 

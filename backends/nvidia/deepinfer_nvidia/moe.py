@@ -10,7 +10,7 @@ graphs. So the grid has a bound computed from shapes alone (each expert's last b
 replayed with other routing.
 
 w1 and w3 share one launch: each block reads its activation tile once for both weights and writes
-``swiglu(gate, up)`` (``deepinfer.core.ops``). w2 reads those rows in expert order and writes each result to its
+``swiglu(gate, up)`` (``deepinfer.runtime.ops``). w2 reads those rows in expert order and writes each result to its
 (token, slot) row, so the top-k sum is a plain reduction rather than a scatter.
 
 MXFP4: layers whose shapes and scales allow it are repacked on first use and served by ``moe_mxfp4``'s swap-AB

@@ -118,7 +118,7 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
 def store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride_out, acc, up, limit,
                 SWIGLU: tl.constexpr):
     """Writes the tile (or swiglu of it and ``up``) to the output rows that ``out_rows`` names for its rows."""
-    if SWIGLU:  # deepinfer.core.ops.swiglu, in fp32
+    if SWIGLU:  # deepinfer.runtime.ops.swiglu, in fp32
         gate = tl.minimum(acc, limit)
         acc = gate * tl.sigmoid(gate) * tl.clamp(up, -limit, limit)
     rows = tl.load(out_rows_ptr + start + offs_m, mask=m_ok, other=0)

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.core import fp8_kv
-from deepinfer.core.ops import select_topk
+from deepinfer.runtime import fp8_kv
+from deepinfer.runtime.ops import select_topk
 from deepinfer_nvidia.cache_formats import round_to_format
 from deepinfer_nvidia.compress_pool import compress_pool, store_compressor_rows
 from deepinfer_nvidia.kv_store import NOPE as FP8_NOPE
@@ -49,7 +49,7 @@ MAX_CANDIDATE_TILES = 8  # indexer tiles per program (a constexpr: at most 8 var
 
 @triton.jit
 def _fp8_keys(pool_ptr, bytes_ptr, idx, valid, offs_d):
-    """Rows ``idx`` of an FP8 pool (``deepinfer.core.fp8_kv``) as fp32: e4m3 NoPE channels times their tile's
+    """Rows ``idx`` of an FP8 pool (``deepinfer.runtime.fp8_kv``) as fp32: e4m3 NoPE channels times their tile's
     power of two, then the bf16 RoPE channels (read as byte pairs and widened exactly)."""
     row = tl.where(valid, idx, 0).to(tl.int64)
     base = (row // FP8_PAGE) * FP8_PAGE_BYTES
@@ -252,7 +252,7 @@ def _pool_args(pool) -> tuple[torch.Tensor, torch.Tensor, int]:
 def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, splits: int | None = None,
                      tiles_per_split: int | None = None):
     """The protocol's ``sparse_attention``; ``block_h`` and ``splits`` override the tiling (tests use them). Pools
-    are row tensors or FP8 rows (``deepinfer.core.fp8_kv``), not both in one call.
+    are row tensors or FP8 rows (``deepinfer.runtime.fp8_kv``), not both in one call.
 
     With ``tiles_per_split`` every split covers that many key tiles of each source, whatever the batch, and the
     splits are always merged: a query's reduction order then depends only on its own index list (batch-invariant
