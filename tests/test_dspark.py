@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's DSpark draft (``models/deepseek_v41/dspark.py``, served by ``features/mtp``) against NeMo
-AutoModel's implementation (``tools/dspark_golden.py`` recorded ``fixtures/dspark_golden.pt``), and as a drafter."""
+AutoModel's implementation (``tools/goldens/dspark_golden.py`` recorded ``fixtures/dspark_golden.pt``), and as a drafter."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from deepinfer.loading.model_source import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR
 from deepinfer.testing.probes import prefill_logits
 
 # DeepInfer's own source: Python the model never saw (it was trained on the standard library only).
-UNSEEN_CODE = Path(__file__).resolve().parents[1] / "deepinfer" / "core" / "scheduler.py"
+UNSEEN_CODE = Path(__file__).resolve().parents[1] / "deepinfer" / "engine" / "scheduler.py"
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def _close(ours: torch.Tensor, reference: torch.Tensor) -> None:
 # (tokens, experts, top-k, hidden, intermediate): a decode step, uneven experts, a prefill-sized block
 SHAPES = [(1, 8, 2, 128, 64), (21, 6, 3, 192, 64), (70, 4, 2, 64, 128)]
 if CUDA:
-    SHAPES += [(1, 384, 6, 5120, 2304), (300, 32, 6, 1024, 512)]  # tools/gpu_mxfp4.py checks V4.1 at 8-2048
+    SHAPES += [(1, 384, 6, 5120, 2304), (300, 32, 6, 1024, 512)]  # tools/gpu/gpu_mxfp4.py checks V4.1 at 8-2048
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", SHAPES)

@@ -11,7 +11,7 @@ from deepinfer import envs
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
-# A 12 M-parameter DeepSeek-V4.1-architecture model trained on Python's standard library (tools/train_tiny_v41.py),
+# A 12 M-parameter DeepSeek-V4.1-architecture model trained on Python's standard library (tools/training/train_tiny_v41.py),
 # in the release's checkpoint format: what runs when the default model cannot be fetched.
 EMBEDDED_MODEL = "deepinfer-tiny-v4.1"
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny_v41"

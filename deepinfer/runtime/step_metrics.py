@@ -17,7 +17,7 @@ class StepMetrics:
     (detokenizing, stop checks) and ``draft`` (speculative decoding: the drafter's pass, until its tokens are on
     the host; a verification step's ``sample`` includes waiting for the device). ``device`` is the GPU time from the forward pass's first kernel to the sampler's
     last (CUDA events; only for steps that sample); with asynchronous scheduling it includes the time the step
-    queued behind the previous one. Device idle time itself is measured by ``tools/profile_decode.py --graphs``."""
+    queued behind the previous one. Device idle time itself is measured by ``tools/profiling/profile_decode.py --graphs``."""
 
     steps: int = 0
     schedule: float = 0.0

@@ -3,7 +3,7 @@
 ``TINY_V41`` gives every layer kind the engine implements one layer: 0-1 window only (1 with Engram); 2 a ratio-2
 KV and index source; 3 reuses 2; 4 re-indexes 2's keys; 5 a ratio-1 KV source publishing candidate blocks; 6 reuses
 5; 7 re-indexes inside 5's candidates (with Engram); 8 a window-only decoder layer; plus three DSpark entries.
-``tools/v41_golden.py`` builds the NeMo AutoModel fixture from the same dict.
+``tools/goldens/v41_golden.py`` builds the NeMo AutoModel fixture from the same dict.
 """
 
 from __future__ import annotations

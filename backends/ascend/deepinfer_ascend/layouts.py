@@ -217,6 +217,6 @@ def mhc_post_arguments(streams: torch.Tensor, output: torch.Tensor, post: torch.
     """npu_mhc_post(x, h_res, h_out, h_post) for ``post[:, o] * output + sum_i comb[:, i, o] * streams[:, i]``.
 
     ``comb`` goes in as it is: op-plugin's golden sums ``h_res[..., i, o] * x[..., i, :]`` over i, which is ours
-    (its doc's "H_res x x_l" notation reads the other way; ``tools/ascend_validate.py`` checks it on an NPU).
+    (its doc's "H_res x x_l" notation reads the other way; ``tools/validation/ascend_validate.py`` checks it on an NPU).
     """
     return (streams.contiguous(), comb.float().contiguous(), output.contiguous(), post.float().contiguous()), {}

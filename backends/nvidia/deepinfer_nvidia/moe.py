@@ -276,7 +276,7 @@ def _tuned_fp4_experts():
 PINNED_FP4_TILES = {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
 
 
-# Switches for tools/gpu_mxfp4.py: e2m1 codes decoded by _e2m1_pairs' packed PTX (True) or _e2m1_scaled's int16
+# Switches for tools/gpu/gpu_mxfp4.py: e2m1 codes decoded by _e2m1_pairs' packed PTX (True) or _e2m1_scaled's int16
 # ops; scales read four to a word where the rows allow it (True) or a byte at a time
 PACKED_E2M1_DECODE = True
 WORD_SCALES = True

@@ -274,7 +274,7 @@ def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, ou
                            tl.trans(up), limit, SWIGLU)
 
 
-# (BN weight rows, warps, pipeline stages) per rows-per-block bucket, the fastest of tools/gpu_mxfp4.py's sweep on the
+# (BN weight rows, warps, pipeline stages) per rows-per-block bucket, the fastest of tools/gpu/gpu_mxfp4.py's sweep on the
 # H200 (BENCHMARKS.md). With 64-row blocks, BN = 64 and 4 warps gave non-finite, unrepeatable results under Triton
 # 3.6's ptxas 12.8 (the register-operand wgmma hazard that CUDA 13.3's ptxas fixes): 128-row tiles only there.
 TILES = {16: (64, 4, 3), 64: (128, 8, 4)}

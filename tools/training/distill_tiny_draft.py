@@ -1,6 +1,6 @@
 """Distil the embedded model's DSpark draft on the target's own continuations (draft only, target frozen).
 
-``tools/train_tiny_v41.py`` trained the draft on corpus text, but greedy verification accepts a draft token only
+``tools/training/train_tiny_v41.py`` trained the draft on corpus text, but greedy verification accepts a draft token only
 when it is the target's argmax; so, as EAGLE and DFlash do, the released draft is fine-tuned here on what the target
 generates. Prompts are random windows of the training split (the held-out hash rule of the checkpoint's
 ``training.json``); continuations are the target's greedy outputs, recomputed without a KV cache in chunks of
@@ -11,16 +11,16 @@ token to the continuation's first EOS (where the engine stops). Acceptance is me
 ``training.json``'s ``dspark_greedy_acceptance`` (``dspark_acceptance`` on ``ACCEPTANCE_PROTOCOL``'s held-out
 prompts, fp32, per-expert loop, no TF32): "after" for the exported FP8/MXFP4 draft, "after_before_export" in fp32.
 
-CPU smoke run (the NeMo venv of ``tools/v41_golden.py``, plus pluggy; about 2 minutes on 2 cores):
+CPU smoke run (the NeMo venv of ``tools/goldens/v41_golden.py``, plus pluggy; about 2 minutes on 2 cores):
 
-    PYTHONPATH=. /work/nemo-venv/bin/python tools/distill_tiny_draft.py --out /tmp/tiny-v41-distilled \\
+    PYTHONPATH=. /work/nemo-venv/bin/python tools/training/distill_tiny_draft.py --out /tmp/tiny-v41-distilled \\
         --device cpu --minutes 1.5 --max-corpus-mb 1 --prompt-len 32 --new-tokens 32
 
 GPU (one H200: Python 3.12, torch 2.11+cu130, transformers 5.17, no network; the wheels that train_tiny_v41.py's
 docstring fetches into the git-ignored ``.wheels/``), from the repository root, about 6.5 minutes in all:
 
     pip install --no-deps --no-index --target /tmp/site .wheels/*.whl
-    PYTHONPATH=.:/tmp/site python tools/distill_tiny_draft.py --out /tmp/tiny-v41-distilled --device cuda --seed 0
+    PYTHONPATH=.:/tmp/site python tools/training/distill_tiny_draft.py --out /tmp/tiny-v41-distilled --device cuda --seed 0
 
 Generation and training take turns: the set grows by a chunk whenever every sequence has been seen ``--epochs``
 times (until ``--gen-until`` of the time), so a slow or fast GPU changes how much is seen, not how often.
@@ -55,13 +55,13 @@ from transformers import PreTrainedTokenizerFast
 
 import nemo_automodel
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-from tools.train_tiny_v41 import (
+from tools.training.train_tiny_v41 import (
     ACCEPTANCE_PROTOCOL, FeatureCapture, acceptance_prompts, build_corpus, build_models, dspark_acceptance,
     dspark_step_loss, encode_documents, load_released, lr_factor, parameter_groups, released_draft_tensors,
     split_documents, update_gate_biases,
 )
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "deepinfer" / "assets" / "tiny_v41"
+CHECKPOINT = Path(__file__).resolve().parents[2] / "deepinfer" / "assets" / "tiny_v41"
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "training.json")
 
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Parallelism on two lent H200s, in one device call: install, the 2-GPU parallelism tests, then `deepinfer bench
 # parallel` (one GPU against data parallelism, expert parallelism and EPLB) on the embedded model and on flash4L.
-#   bash tools/gpu_parallel.sh $OUT        (run tool: kind nvidia-h200-x2, carry [".wheels", ".kernels"])
+#   bash tools/gpu/gpu_parallel.sh $OUT        (run tool: kind nvidia-h200-x2, carry [".wheels", ".kernels"])
 set -uo pipefail
 top="${1:-${OUT:-/tmp/gpu-out}}"
 out="$top/results"; mkdir -p "$out"
 # NVLink multicast stays off on the lent machines (KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-bash tools/gpu_flash4l.sh install "$top" | tail -4
+bash tools/gpu/gpu_flash4l.sh install "$top" | tail -4
 export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
 pack() { tar czf "$top/parallel.tgz" -C "$out" . ; }
 echo "== $(date +%T) tests"; pack

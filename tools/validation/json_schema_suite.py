@@ -3,7 +3,7 @@
 The suite ships inside jsonschema's source distribution (not committed here)::
 
     pip download jsonschema --no-deps --no-binary :all: -d /tmp/js
-    python tools/json_schema_suite.py /tmp/js/jsonschema-*.tar.gz --drafts draft2020-12 draft7 --limit 300
+    python tools/validation/json_schema_suite.py /tmp/js/jsonschema-*.tar.gz --drafts draft2020-12 draft7 --limit 300
 
 Every distinct schema of the chosen drafts' test files (boolean schemas and schemas that reference remote
 documents aside: they are counted apart) is submitted to the engine's structured-outputs plugin: a refusal is

@@ -1,7 +1,7 @@
 """FP8 routed experts at decode on the GPU (``deepinfer_nvidia.moe_fp8``, V4-Flash-Base's format): the Triton grouped
 kernel and DeepGEMM's masked grouped GEMM, checked against the torch reference and timed, as JSON lines.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools python tools/gpu_fp8_experts.py
+    PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools/gpu python tools/gpu/gpu_fp8_experts.py
 
 One MoE layer of V4-Flash's shape (256 experts top-6, hidden 4096, intermediate 2048, 128 x 128 FP8 tiles) at 1, 16,
 64 and 256 tokens, random routing; the same layer with bf16 weights through the Triton kernel the flash4L fixture

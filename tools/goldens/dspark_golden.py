@@ -1,8 +1,8 @@
 """Golden DSpark draft outputs for the embedded model, from NVIDIA NeMo AutoModel's public implementation.
 
-Runs in NeMo AutoModel's own environment (see tools/v41_golden.py for the venv):
+Runs in NeMo AutoModel's own environment (see tools/goldens/v41_golden.py for the venv):
 
-    PYTHONPATH=. /tmp/nemovenv/bin/python tools/dspark_golden.py tests/fixtures/dspark_golden.pt
+    PYTHONPATH=. /tmp/nemovenv/bin/python tools/goldens/dspark_golden.py tests/fixtures/dspark_golden.pt
 
 Loads ``deepinfer-tiny-v4.1`` (the released layout) through NeMo's adapters, in fp32, runs a prompt through the
 target capturing the DSpark features, then NeMo's draft backbone for two anchors of that prompt with teacher-forced
@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-from tools.train_tiny_v41 import FeatureCapture, build_models, load_released
+from tools.training.train_tiny_v41 import FeatureCapture, build_models, load_released
 
-CHECKPOINT = Path(__file__).parents[1] / "deepinfer" / "assets" / "tiny_v41"
+CHECKPOINT = Path(__file__).parents[2] / "deepinfer" / "assets" / "tiny_v41"
 PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\n"
           "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n")
 ANCHORS = (20, 70)  # the second one past the 64-token window: its context starts at position 6

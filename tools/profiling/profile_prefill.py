@@ -1,7 +1,7 @@
 """Where a prefill step's device time goes: one eager prefill of ``--batch-size`` prompts of ``--input-len`` tokens
 under the torch profiler, after a first prefill of other prompts has compiled and tuned every kernel.
 
-    python tools/profile_prefill.py MODEL [--dummy] [--input-len 8192] [--batch-size 1] [--top 30]
+    python tools/profiling/profile_prefill.py MODEL [--dummy] [--input-len 8192] [--batch-size 1] [--top 30]
 
 Prints one JSON line: the step's wall time, the device's busy time (the sum of kernel and copy times), prefill
 tokens/s, and the kernels by device time (name, ms in the step, launches), largest first.

@@ -1,5 +1,5 @@
 """Times NeMo AutoModel's V4.1 reference on the tiny fixture (greedy, whole sequence recomputed per token: it has no
-KV cache). Runs in the NeMo venv of tools/v41_golden.py:  PYTHONPATH=. python tools/v41_reference_timing.py
+KV cache). Runs in the NeMo venv of tools/goldens/v41_golden.py:  PYTHONPATH=. python tools/goldens/v41_reference_timing.py
 """
 import os, time; os.environ["TORCHDYNAMO_DISABLE"]="1"
 import torch, json

@@ -4,7 +4,7 @@ Each regex and grammar below is generated from by the embedded model, greedy and
 every finished output must match its regex in full (Python's ``re``) or parse with the same grammar written for
 lark. Prints a JSON report::
 
-    python tools/grammar_suite.py
+    python tools/validation/grammar_suite.py
 """
 
 from __future__ import annotations

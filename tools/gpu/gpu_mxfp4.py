@@ -2,7 +2,7 @@
 activations rounded in 1 x 32 blocks): the swap-AB kernel on repacked weights (``moe_mxfp4``) against the byte-layout
 kernel it replaces (``moe._fp4_experts``), both checked against the torch reference, printed as JSON lines.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools python tools/gpu_mxfp4.py [--sweep]
+    PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools/gpu python tools/gpu/gpu_mxfp4.py [--sweep]
 
 Each call (routing table, both projections, the top-k sum) is captured in a CUDA graph and its replays timed
 (median of do_bench, L2 flushed). GB/s counts the bytes of the experts the routing touches (packed weights and their

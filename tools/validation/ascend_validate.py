@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Validate DeepInfer's Ascend backend on an Ascend NPU (it has not been run on one by its authors).
 
-    python tools/ascend_validate.py [--device npu:0] [--max-tokens 24] [--skip-e2e] [--skip-ep]
+    python tools/validation/ascend_validate.py [--device npu:0] [--max-tokens 24] [--skip-e2e] [--skip-ep]
 
 1. Each hook the Ascend plugin serves, on random inputs at DeepSeek-V4 shapes (512-wide heads, 64/128 heads, MXFP4
    and FP8 experts, 4 hyper-connection streams), on the NPU against the torch reference on the CPU.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

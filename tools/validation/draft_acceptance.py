@@ -1,6 +1,6 @@
 """A drafter's greedy acceptance in the engine, at every position and at the anchors speculative decoding visits.
 
-    PYTHONPATH=.:features/mtp python tools/draft_acceptance.py [--model deepinfer-tiny-v4.1] [--prompts 32]
+    PYTHONPATH=.:features/mtp python tools/validation/draft_acceptance.py [--model deepinfer-tiny-v4.1] [--prompts 32]
         [--prompt-len 128] [--new-tokens 96] [--quantization none]
 
 (It turns speculative decoding on itself: ``DEEPINFER_PLUGINS=mtp`` and ``DEEPINFER_ENABLE_MTP_VARLEN=0`` unless
@@ -11,12 +11,12 @@ continuation is an anchor; each block is then scored against the continuation as
 (the leading drafts equal to it). Two means come out:
 
 - ``every_position``: over all anchors with a whole block left, what a training run's teacher-forced protocol
-  measures (``tools/train_tiny_v41.py``'s ``dspark_acceptance``);
+  measures (``tools/training/train_tiny_v41.py``'s ``dspark_acceptance``);
 - ``engine_visited``: over the anchors speculative decoding reaches (from the first, jump past each block's
   accepted drafts and the bonus token), which is what the engine reports with fixed-length verification on the
   same prompts: easy stretches are crossed in a few long blocks, so hard ones weigh more there.
 
-Prompts are evenly spaced windows of the held-out standard-library files (``tools/eval_tiny_v41.py``).
+Prompts are evenly spaced windows of the held-out standard-library files (``tools/training/eval_tiny_v41.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ os.environ.setdefault("DEEPINFER_ENABLE_MTP_VARLEN", "0")
 from deepinfer import LLM, SamplingParams  # noqa: E402 (after the environment it reads)
 from deepinfer.engine import speculation  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 from eval_tiny_v41 import heldout_windows  # noqa: E402
 
 

@@ -6,13 +6,13 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu_kernels.py, tools/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu_mxfp4.py), glue (tools/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profile_decode.py at batch 1 and 16), idle (idle share
+# kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu/gpu_mxfp4.py), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
-# tools/gpu_kernels.py --grouped; GROUPED_TESTS, GROUPED_FORMATS narrow them), v41prefill (the V4.1-Flash-shaped fixture's
-# prefill at V41_PREFILL_LENS tokens, 8192 and 512), prefill (tools/profile_prefill.py on flash4L at PREFILL_LENS
-# tokens, and FlashMLA's sparse prefill against ours: tools/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
+# tools/gpu/gpu_kernels.py --grouped; GROUPED_TESTS, GROUPED_FORMATS narrow them), v41prefill (the V4.1-Flash-shaped fixture's
+# prefill at V41_PREFILL_LENS tokens, 8192 and 512), prefill (tools/profiling/profile_prefill.py on flash4L at PREFILL_LENS
+# tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
 # SPEC_BATCHES, SPEC_TIMEOUT), replay (SWA bounded
 # replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
@@ -21,7 +21,7 @@
 # saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
 # is there when the printed tail does not show it).
 #
-# What travels (the run tool's carry: [".wheels", ".kernels"]): `python3 tools/fetch_kernels.py` for .kernels, and
+# What travels (the run tool's carry: [".wheels", ".kernels"]): `python3 tools/build/fetch_kernels.py` for .kernels, and
 # for .wheels the packages the box lacks, without dependencies (it has torch, numpy, pluggy and pytest):
 #   pip download --no-deps -d .wheels jsonschema jsonschema-specifications referencing lark pydantic==2.14.4 \
 #       typing-inspection annotated-types
@@ -49,7 +49,7 @@ if has install; then
     # (without their dependencies: pip does not see the box's torch as installed)
     python3 -m pip install --quiet --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "root. user" | tail -2; python3 -c "import jsonschema, lark, xgrammar; print(\"test extra packages: ok\")"
     # offline: no index, and the box's own setuptools instead of an isolated build environment; DeepSeek's kernels
-    # from .kernels when it came along (tools/fetch_kernels.py; the run tool's carry: [".wheels", ".kernels"])
+    # from .kernels when it came along (tools/build/fetch_kernels.py; the run tool's carry: [".wheels", ".kernels"])
     PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tee "$out/install.txt" | tail -9
 fi
 if command -v deepinfer >/dev/null && python -c "import deepinfer_nvidia" 2>/dev/null; then
@@ -98,26 +98,26 @@ fi
 
 if has kernels; then
     stamp kernels
-    timeout 200 python tools/gpu_kernels.py 2>&1 | tee "$out/kernels.json" | tail -40
-    timeout 100 python tools/gpu_kernels.py --triton-fp8 2>&1 | tee "$out/kernels_triton_fp8.json" | tail -12
-    has glue || timeout 150 python tools/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
+    timeout 200 python tools/gpu/gpu_kernels.py 2>&1 | tee "$out/kernels.json" | tail -40
+    timeout 100 python tools/gpu/gpu_kernels.py --triton-fp8 2>&1 | tee "$out/kernels_triton_fp8.json" | tail -12
+    has glue || timeout 150 python tools/gpu/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
 fi
 if has logits; then  # V4.1's head: fp32 logits from bf16 weights against cuBLAS on an fp32 copy, and their tests
     stamp logits
     timeout 120 python -m pytest -q -x tests/test_nvidia_logits.py 2>&1 | tee "$out/tests_logits.txt" | tail -2
-    timeout 120 python tools/gpu_kernels.py --logits 2>&1 | tee "$out/kernels_logits.json" | tail -30
+    timeout 120 python tools/gpu/gpu_kernels.py --logits 2>&1 | tee "$out/kernels_logits.json" | tail -30
 fi
-if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then tools/gpu_fp8_linear.py (FP8_PEER: a module timed alongside)
+if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then tools/gpu/gpu_fp8_linear.py (FP8_PEER: a module timed alongside)
     stamp fp8
     timeout 240 python -m pytest -q -x tests/test_nvidia_fp8_linear.py 2>&1 | tee "$out/tests_fp8.txt" | tail -3
-    PYTHONPATH="$PYTHONPATH:$PWD/tools" timeout 300 python tools/gpu_fp8_linear.py ${FP8_PEER:+--peer $FP8_PEER} 2>&1 | grep -v INFO \
+    PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu" timeout 300 python tools/gpu/gpu_fp8_linear.py ${FP8_PEER:+--peer $FP8_PEER} 2>&1 | grep -v INFO \
         | tee "$out/fp8_linear.jsonl" | tail -1
 fi
 if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
     stamp mxfp4
     timeout ${TESTS_TIMEOUT:-240} python -m pytest -q -x tests/test_nvidia_moe_mxfp4.py tests/test_nvidia_moe.py \
         tests/test_nvidia_moe_grouped.py 2>&1 | tee "$out/mxfp4_tests.txt" | tail -4
-    timeout ${MXFP4_TIMEOUT:-360} python tools/gpu_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -40
+    timeout ${MXFP4_TIMEOUT:-360} python tools/gpu/gpu_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -40
 fi
 if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton against DeepGEMM's masked GEMM per layer, then
     # flash4Lfp8's replayed decode steps (FP8_KERNELS="auto triton" adds a run with Triton only; a fresh box compiles
@@ -125,20 +125,20 @@ if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton aga
     stamp fp8experts
     timeout 300 python -m pytest -q tests/test_nvidia_moe_fp8.py tests/test_nvidia_moe.py 2>&1 \
         | tee "$out/tests_fp8experts.txt" | tail -3
-    PYTHONPATH="$PYTHONPATH:$PWD/tools" timeout 200 python tools/gpu_fp8_experts.py 2>&1 | grep -v INFO \
+    PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu" timeout 200 python tools/gpu/gpu_fp8_experts.py 2>&1 | grep -v INFO \
         | tee "$out/fp8_experts.jsonl"
     python -m deepinfer.testing.flash_fixtures flash4Lfp8 /tmp/flash4Lfp8 >/dev/null
     for kernels in ${FP8_KERNELS:-auto}; do
         for b in ${FP8_BATCHES:-1 64}; do
             stamp "flash4Lfp8 b$b kernels=$kernels"
-            DEEPINFER_KERNELS=$kernels timeout 330 python tools/profile_decode.py /tmp/flash4Lfp8 --dummy --graphs \
+            DEEPINFER_KERNELS=$kernels timeout 330 python tools/profiling/profile_decode.py /tmp/flash4Lfp8 --dummy --graphs \
                 --steps 48 --top 8 --trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/flash4Lfp8.jsonl"
         done
     done
 fi
 if has glue; then  # the fused decode-step glue against its torch reference only
     stamp glue
-    timeout 150 python tools/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
+    timeout 150 python tools/gpu/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
 fi
 
 python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L >/dev/null
@@ -152,7 +152,7 @@ latency() {  # name, then bench latency arguments (--model defaults to flash4L)
 if has profile; then  # kernels per eager decode step at batch 1 and 16
     for b in 1 16; do
         stamp "profile b$b"
-        python tools/profile_decode.py /tmp/flash4L --dummy --batch-size $b 2>&1 | grep -v INFO | head -22
+        python tools/profiling/profile_decode.py /tmp/flash4L --dummy --batch-size $b 2>&1 | grep -v INFO | head -22
     done
 fi
 if has idle; then  # device idle share between replayed decode steps, with and without overlap
@@ -163,13 +163,13 @@ if has idle; then  # device idle share between replayed decode steps, with and w
                 dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
                 trace=--trace; [[ ${TRACE:-1} == 0 ]] && trace=
                 stamp "idle $m b$b async=$a"
-                DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 python tools/profile_decode.py $m $dummy --graphs --steps 48 --top ${TOP:-30} \
+                DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 python tools/profiling/profile_decode.py $m $dummy --graphs --steps 48 --top ${TOP:-30} \
                     $trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle.jsonl"
             done
         done
     done
     stamp "host profile flash4L b1"  # where the host's step goes at batch 1
-    [[ ${HOST_PROFILE:-0} == 1 ]] && timeout 200 python tools/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
+    [[ ${HOST_PROFILE:-0} == 1 ]] && timeout 200 python tools/profiling/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
         2>&1 | grep -v INFO > "$out/host_flash4L_b1.txt"
 fi
 if has small || has b1; then  # b1: the two headline figures only
@@ -188,10 +188,10 @@ if has small; then
 fi
 if has prefill; then  # where an eager prefill's device time goes, and FlashMLA's sparse prefill against ours
     stamp "prefill kernels"
-    timeout 120 python tools/gpu_kernels.py --prefill 2>&1 | tee "$out/kernels_prefill.json" | tail -24
+    timeout 120 python tools/gpu/gpu_kernels.py --prefill 2>&1 | tee "$out/kernels_prefill.json" | tail -24
     for n in ${PREFILL_LENS:-8192}; do
         stamp "profile prefill $n"
-        timeout 240 python tools/profile_prefill.py /tmp/flash4L --dummy --input-len $n 2>&1 | grep -v INFO | tail -1 \
+        timeout 240 python tools/profiling/profile_prefill.py /tmp/flash4L --dummy --input-len $n 2>&1 | grep -v INFO | tail -1 \
             | tee -a "$out/prefill_profile.jsonl"
     done
 fi
@@ -199,7 +199,7 @@ if has grouped; then  # long prefills' experts through DeepGEMM's grouped GEMM: 
     stamp "grouped experts"
     timeout ${GROUPED_TESTS_TIMEOUT:-300} python -m pytest -q -x ${GROUPED_TESTS:-tests/test_nvidia_moe_grouped.py tests/test_nvidia_moe.py} 2>&1 \
         | tee "$out/tests_grouped.txt" | tail -4
-    timeout 300 python tools/gpu_kernels.py --grouped 2>&1 | grep -v INFO | tee "$out/kernels_grouped.json" | grep speedup
+    timeout 300 python tools/gpu/gpu_kernels.py --grouped 2>&1 | grep -v INFO | tee "$out/kernels_grouped.json" | grep speedup
 fi
 if has p512; then
     latency p512 --batch-size 1 --input-len 512 --output-len 2 --compare-hf
@@ -223,7 +223,7 @@ fi
 if has invariant; then  # batch-invariant mode on flash4L: one output among random batches, and its cost
     for mode in 1 0; do
         stamp "batch invariance flash4L mode=$mode"
-        DEEPINFER_BATCH_INVARIANT=$mode timeout 240 python tools/batch_invariance.py /tmp/flash4L --load-format dummy \
+        DEEPINFER_BATCH_INVARIANT=$mode timeout 240 python tools/validation/batch_invariance.py /tmp/flash4L --load-format dummy \
             --runs ${INVARIANCE_RUNS:-12} 2>&1 | grep -v INFO | tail -2 | tee -a "$out/invariance.jsonl"
     done
     for b in ${INVARIANT_BATCHES:-16 1}; do

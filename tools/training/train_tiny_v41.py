@@ -8,9 +8,9 @@ byte-level BPE tokenizer trained on the same corpus and DeepSeek's special token
 
 NeMo AutoModel pins its own transformers, so this runs in its own environment, never in DeepInfer's.
 
-CPU (the NeMo venv that ``tools/v41_golden.py`` describes; an end-to-end smoke run of a few minutes on 2 cores):
+CPU (the NeMo venv that ``tools/goldens/v41_golden.py`` describes; an end-to-end smoke run of a few minutes on 2 cores):
 
-    PYTHONPATH=. /work/nemo-venv/bin/python tools/train_tiny_v41.py --out /tmp/tiny-v41 --device cpu \\
+    PYTHONPATH=. /work/nemo-venv/bin/python tools/training/train_tiny_v41.py --out /tmp/tiny-v41 --device cpu \\
         --minutes 2 --max-corpus-mb 3
 
 GPU (one H200: Python 3.12, torch 2.11+cu130, transformers 5.17, no network). Transformers 5.17 serves every
@@ -27,7 +27,7 @@ What the box lacks travels as wheels in the git-ignored ``.wheels/``: NeMo AutoM
 and on the GPU box, from the repository root (about 9.5 minutes in all):
 
     pip install --no-deps --no-index --target /tmp/site .wheels/*.whl
-    PYTHONPATH=.:/tmp/site python tools/train_tiny_v41.py --out /tmp/tiny-v41 --device cuda --minutes 9 --seed 0
+    PYTHONPATH=.:/tmp/site python tools/training/train_tiny_v41.py --out /tmp/tiny-v41 --device cuda --minutes 9 --seed 0
 
 ``--minutes`` bounds the run from corpus to export (imports come before it). Training is time-boxed: the
 learning-rate schedules follow elapsed time, and the steps taken are recorded in ``training.json``;
@@ -56,7 +56,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 # NeMo wraps its expert activation in torch.compile; eager avoids a compiler dependency on the GPU box and keeps CPU
-# runs bitwise eager (as in tools/v41_golden.py). --compile lifts this.
+# runs bitwise eager (as in tools/goldens/v41_golden.py). --compile lifts this.
 if "--compile" not in sys.argv:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -572,7 +572,7 @@ def export(model, draft, config: DeepseekV41Config, out: Path) -> dict[str, torc
 
 
 def load_released(model, draft, tensors: dict[str, torch.Tensor], device) -> None:
-    """Load the exported (quantized) tensors back through NeMo's own adapters, as tools/v41_golden.py does."""
+    """Load the exported (quantized) tensors back through NeMo's own adapters, as tools/goldens/v41_golden.py does."""
     native = model.state_dict_adapter.from_hf({k: v.clone() for k, v in tensors.items() if not k.startswith("mtp.")})
     missing, unexpected = model.load_state_dict({k: v.float().to(device) for k, v in native.items()}, strict=False)
     missing = [k for k in missing if "engram_hash" not in k]
@@ -673,7 +673,7 @@ def main() -> None:
     log(f"held-out loss {trained_loss:.4f} (unigram {unigram:.4f}) over {n_eval:,} tokens")
 
     # -- export; then the checkpoint as the engine sees it: the exported FP8/MXFP4 tensors loaded back through
-    #    NeMo's adapters into a fresh fp32 model (per-expert loop, no TF32), as tools/v41_golden.py does
+    #    NeMo's adapters into a fresh fp32 model (per-expert loop, no TF32), as tools/goldens/v41_golden.py does
     tensors = export(model, draft, config, out)
     del model, draft, capture
     if cuda:

@@ -1,6 +1,6 @@
 """Lift DeepSeek's prebuilt FlashMLA and DeepGEMM out of a PyPI vLLM wheel into a kernels folder for build.sh.
 
-    python tools/fetch_kernels.py [DEST]          (default .kernels; needs PyPI, about 250 MB downloaded)
+    python tools/build/fetch_kernels.py [DEST]          (default .kernels; needs PyPI, about 250 MB downloaded)
 
 vLLM's wheel ships both libraries compiled against its own torch and CUDA. vllm 0.25.0's binaries load with torch
 2.11 + CUDA 13 (the H200 test box; kernel-anchors §10), so that is the release taken here; other torch builds need

@@ -1,8 +1,8 @@
 """Held-out loss of the embedded model through DeepInfer's engine, weights kept FP8/MXFP4 and dequantized.
 
-    PYTHONPATH=. python tools/eval_tiny_v41.py [--dtype float32] [--max-tokens 60000]
+    PYTHONPATH=. python tools/training/eval_tiny_v41.py [--dtype float32] [--max-tokens 60000]
 
-The held-out documents are the standard-library ``*.py`` files that ``tools/train_tiny_v41.py`` held out (3% by a
+The held-out documents are the standard-library ``*.py`` files that ``tools/training/train_tiny_v41.py`` held out (3% by a
 hash of the path, test packages included); this machine's Python decides which exist. Each is scored as
 ``BOS text EOS`` in windows of 512 tokens, as in training. Prints per-mode loss, perplexity, top-1 agreement and
 the KL divergence of the kept-quantized distribution from the dequantized one.

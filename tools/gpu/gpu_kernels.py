@@ -1,6 +1,6 @@
 """Kernel-level figures of the NVIDIA backend at DeepSeek-V4-Flash shapes, printed as JSON.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_kernels.py [--triton-fp8 | --prefill | --grouped | --logits]
+    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu/gpu_kernels.py [--triton-fp8 | --prefill | --grouped | --logits]
 
 - Sparse attention, decode: 64 heads x 512, a 128-row window plus 512 indexer-selected compressed entries per
   token, bf16 pools; batch 1, 16, 128 (FlashMLA's H200 time at 128 is 51.8 µs, kernel-anchors §1), with the

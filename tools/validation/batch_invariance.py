@@ -1,6 +1,6 @@
 """Batch invariance on a real-sized model (the H200 record): one request's output among random batch mates.
 
-    DEEPINFER_BATCH_INVARIANT=1 python tools/batch_invariance.py /tmp/flash4L --load-format dummy --runs 20
+    DEEPINFER_BATCH_INVARIANT=1 python tools/validation/batch_invariance.py /tmp/flash4L --load-format dummy --runs 20
 
 Prints one JSON line: the runs, how many distinct outputs the target request had (1 = invariant), and the time.
 Run it with the mode off as well: a count above 1 there shows the harness can see a difference.

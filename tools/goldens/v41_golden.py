@@ -5,7 +5,7 @@ Runs in its own environment (NeMo AutoModel pins its own transformers), never in
     python3 -m venv /tmp/nemo && . /tmp/nemo/bin/activate
     pip install torch==2.13.0 && pip install --no-deps nemo-automodel==0.7.0
     pip install transformers==5.18.0 safetensors tokenizers numpy pyyaml pillow
-    PYTHONPATH=. python tools/v41_golden.py tests/fixtures/v41_tiny 0 2   # weight seed, prompt seed
+    PYTHONPATH=. python tools/goldens/v41_golden.py tests/fixtures/v41_tiny 0 2   # weight seed, prompt seed
 
 It builds a tiny random V4.1 (every layer kind: sliding-window, CSA2 ratio 2 and 1, KV-source sharing, re-index
 and reuse layers, the two-level indexer, Engram, a window-only decoder layer), writes it in the released

@@ -1,7 +1,7 @@
 """Where a decode step's device time goes, and how long the device sits idle between steps.
 
-    python tools/profile_decode.py MODEL_DIR --batch-size 16 [--steps 8] [--dummy]            kernels per eager step
-    python tools/profile_decode.py MODEL_DIR --batch-size 16 --steps 64 --graphs [--dummy]    idle share, replaying
+    python tools/profiling/profile_decode.py MODEL_DIR --batch-size 16 [--steps 8] [--dummy]            kernels per eager step
+    python tools/profiling/profile_decode.py MODEL_DIR --batch-size 16 --steps 64 --graphs [--dummy]    idle share, replaying
 
 Eager (the default), every kernel of a decode step is its own launch: the profiler's table and the launch count
 per step. With ``--graphs`` the steps replay CUDA graphs as in serving (asynchronous scheduling as

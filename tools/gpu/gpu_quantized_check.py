@@ -1,6 +1,6 @@
 """Quantized loading on a GPU, in one run: results go to $OUT as JSON.
 
-    export PYTHONPATH=$PWD && python tools/gpu_quantized_check.py $OUT
+    export PYTHONPATH=$PWD && python tools/gpu/gpu_quantized_check.py $OUT
 
 1. ``deepinfer bench load`` on a V4-Flash-shaped synthetic checkpoint (6 layers, 32 experts, 1 GiB shards): time
    and peak host RSS of DeepInfer's loader against safetensors ``load_file`` onto the GPU.
@@ -24,7 +24,7 @@ torch.set_flush_denormal(True)
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.testing.probes import prefill_logits  # noqa: E402
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "v41_tiny"
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "v41_tiny"
 
 
 def bench_load(out: Path, synth: Path) -> dict:

@@ -1,6 +1,6 @@
 """Host time to prepare one step's inputs (no device needed): a 16-request decode step and prefills.
 
-    PYTHONPATH=. python tools/host_step_time.py
+    PYTHONPATH=. python tools/profiling/host_step_time.py
 
 Uses flash4L's layer pattern (window 128, ratios 4 and 128, block size 64) at a size a CPU holds; the host work
 depends on token counts and block tables, not on the model's width. Prints milliseconds per call of

@@ -1,7 +1,7 @@
 """V4.1-Flash's FP8 projections at decode sizes on the GPU: ``deepinfer_nvidia.fp8_linear`` checked against the torch
 reference and timed, printed as JSON lines.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools python tools/gpu_fp8_linear.py [--peer MODULE]
+    PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools/gpu python tools/gpu/gpu_fp8_linear.py [--peer MODULE]
 
 Shapes: every FP8 projection of a V4.1-Flash layer (32 x 32 weight tiles, activations rounded in 1 x 32 blocks) at
 1, 16 and 64 rows. Each strategy (``STRATEGIES``) sets some of ``fp8_linear``'s switches; ``--peer`` also times

@@ -2,8 +2,8 @@
 at a measured copy rate allows (no GPU needed: the model is built on the meta device).
 
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L
-    python tools/decode_roofline.py /tmp/v41flash8L --batch-sizes 1 64 --copy-gbps 4223
-    python tools/decode_roofline.py /tmp/v41flash --expert-parallel 8   # per GPU, 8 ranks
+    python tools/profiling/decode_roofline.py /tmp/v41flash8L --batch-sizes 1 64 --copy-gbps 4223
+    python tools/profiling/decode_roofline.py /tmp/v41flash --expert-parallel 8   # per GPU, 8 ranks
 
 With ``--expert-parallel N`` the figures are per GPU of N running attention data-parallel and experts
 expert-parallel (the full-scale layout): each rank decodes its own batch B and holds every weight outside the routed

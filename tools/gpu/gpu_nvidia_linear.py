@@ -1,6 +1,6 @@
 """The NVIDIA backend's Triton kernels on a GPU, in one run: correctness, kernel times, engine check.
 
-    export PYTHONPATH=$PWD:$PWD/backends/nvidia && python tools/gpu_nvidia_linear.py $OUT
+    export PYTHONPATH=$PWD:$PWD/backends/nvidia && python tools/gpu/gpu_nvidia_linear.py $OUT
 
 1. ``tests/test_nvidia_fp8_linear.py`` natively (bit-exact activation rounding, GEMM within fp32 reordering).
 2. Kernel times at DeepSeek-V4-Flash projection shapes (128x128 tiles) and V4.1-Flash ones (32x32), decode and

@@ -1,7 +1,7 @@
 """A decode step's glue on the H200 at DeepSeek-V4-Flash shapes: each fused NVIDIA kernel against the torch
 reference it replaces, in µs per call with the launches each makes, printed as JSON (issues 6 and 7).
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu_glue.py
+    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu/gpu_glue.py
 
 Each call is captured in a CUDA graph and its replays timed (``tools/gpu_kernels._graph_us``), so the figures are
 device time inside a replayed step, where these ops run: routing (E=256, H=4096, top-6, sqrt-softplus), one mHC

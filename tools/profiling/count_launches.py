@@ -1,6 +1,6 @@
 """Kernel launches in one padded decode step (what a CUDA graph holds), counted on a CPU: no GPU needed.
 
-    TRITON_INTERPRET=1 PYTHONPATH=.:backends/nvidia python tools/count_launches.py [DTYPE, default bfloat16] [--ops]
+    TRITON_INTERPRET=1 PYTHONPATH=.:backends/nvidia python tools/profiling/count_launches.py [DTYPE, default bfloat16] [--ops]
         [--model=DIR] [--prompt-len=N]
 
 Builds a tiny V4 with flash4L's layer pattern (sliding, sliding, CSA, HCA; three hash-routed), serves attention, MoE

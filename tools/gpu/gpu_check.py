@@ -41,7 +41,7 @@ out["bf16_runs"] = len(bf.generate(prompts[:2], G, use_tqdm=False)[0].outputs[0]
 small = build_tiny_v4("/tmp/small_gpu", **SMALL_V4)
 for n in (1, 16):
     args = type("A", (), dict(model=str(small), dtype="float32", input_len=128, output_len=64, num_prompts=n, seed=0, device="cuda"))
-    from deepinfer import bench
+    from deepinfer.bench import throughput as bench
     ps = bench._prompts(n, 128, 512, 0)
     torch.cuda.synchronize()
     out[f"bench_b{n}"] = {"deepinfer": bench.run_deepinfer(args, ps), "hf": bench.run_hf(args, ps)}
