@@ -75,7 +75,7 @@ def _backends():
     except ImportError:
         return backends
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))
-    from deepinfer_nvidia.sparse_attention import TritonAttention
+    from deepinfer_nvidia.attention import TritonAttention
 
     return backends + [("nvidia triton", TritonAttention())]  # natively on a GPU, interpreted elsewhere
 

@@ -23,7 +23,7 @@ from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia.fp8_linear import TritonLinear  # noqa: E402
 from deepinfer_nvidia.moe import TritonMoE  # noqa: E402
-from deepinfer_nvidia.sparse_attention import TritonAttention  # noqa: E402
+from deepinfer_nvidia.attention import TritonAttention  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_gpu = pytest.mark.skipif(not CUDA, reason="the pinned configurations differ from the interpreter's only on a GPU")

@@ -72,7 +72,7 @@ def test_flashmla_sparse_decode_matches_the_reference(batch):
 def test_flashmla_sparse_prefill_serves_the_backend_like_the_reference(tokens):
     """The backend's calls of 256+ tokens over bf16 pools go to FlashMLA's sparse prefill (one call per pool, merged
     by their lse), on V4-Flash shapes; a query with no compressed entry and one with no key at all included."""
-    from deepinfer_nvidia.sparse_attention import TritonAttention
+    from deepinfer_nvidia.attention import TritonAttention
 
     g = torch.Generator().manual_seed(tokens)
     heads, pool_rows = 64, 4096

@@ -25,7 +25,7 @@ from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import RouterWeights
 from deepinfer_nvidia.mhc import TritonMHC
 from deepinfer_nvidia.moe import TritonMoE
-from deepinfer_nvidia.sparse_attention import TritonAttention
+from deepinfer_nvidia.attention import TritonAttention
 from gpu_kernels import DEVICE, _graph_us
 
 HIDDEN, EXPERTS, BLOCK, WINDOW, CONTEXT = 4096, 256, 128, 128, 1024

@@ -40,7 +40,7 @@ from deepinfer.plugins.interfaces import ExpertWeights
 from deepinfer_nvidia.fp8_linear import fp8_linear
 from deepinfer_nvidia.logits import bf16_logits
 from deepinfer_nvidia.moe import TritonMoE
-from deepinfer_nvidia.sparse_attention import TritonAttention
+from deepinfer_nvidia.attention import TritonAttention
 
 DEVICE = torch.device("cuda")
 HBM_COPY_BYTES_PER_S = 4223e9  # the H200's measured copy rate (measured on the GPU box), read as the roofline

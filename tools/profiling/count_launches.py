@@ -31,7 +31,7 @@ from deepinfer.testing.tiny_v4 import build_tiny_v4
 from deepinfer_nvidia.fp8_linear import TritonLinear
 from deepinfer_nvidia.mhc import TritonMHC
 from deepinfer_nvidia.moe import TritonMoE
-from deepinfer_nvidia.sparse_attention import TritonAttention
+from deepinfer_nvidia.attention import TritonAttention
 
 NO_KERNEL = {"view", "as_strided", "empty", "empty_strided", "unsqueeze", "squeeze", "slice", "select", "expand",
              "t", "transpose", "permute", "reshape", "_reshape_alias", "detach", "alias", "lift_fresh", "_unsafe_view",
