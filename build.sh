@@ -13,8 +13,8 @@
 # nvidia also provisions DeepSeek's kernels (FlashMLA, DeepGEMM) by DEEPINFER_KERNELS and says what loaded:
 #   auto (default)       prebuilt:.kernels when that folder exists, otherwise none
 #   source:DIR           builds DIR/FlashMLA and DIR/DeepGEMM (whichever exist) from their source checkouts
-#   prebuilt:DIR         a folder from tools/fetch_kernels.py (binaries lifted from a PyPI vLLM wheel)
-#   pypi[:VERSION]       runs tools/fetch_kernels.py first (needs PyPI; vLLM VERSION, default 0.25.0, must match
+#   prebuilt:DIR         a folder from tools/build/fetch_kernels.py (binaries lifted from a PyPI vLLM wheel)
+#   pypi[:VERSION]       runs tools/build/fetch_kernels.py first (needs PyPI; vLLM VERSION, default 0.25.0, must match
 #                        the installed torch/CUDA), then prebuilt:.kernels
 #   triton               none: the plugin's Triton kernels serve every op
 set -euo pipefail
@@ -37,7 +37,7 @@ provision_deepseek_kernels() {
     case "$choice" in
         pypi|pypi:*)
             local version="${choice#pypi}"; version="${version#:}"
-            "$PYTHON" tools/fetch_kernels.py .kernels --vllm "${version:-0.25.0}" \
+            "$PYTHON" tools/build/fetch_kernels.py .kernels --vllm "${version:-0.25.0}" \
                 --python "cpython-$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')" \
                 || die "DEEPINFER_KERNELS=$choice: fetching the kernels failed (see above)"
             choice=prebuilt:.kernels ;;
@@ -55,7 +55,7 @@ provision_deepseek_kernels() {
             route="built from source in $dir" ;;
         prebuilt:*)
             dir="${choice#prebuilt:}"
-            [[ -d "$dir/deep_gemm" || -d "$dir/deepinfer_flashmla" ]] || die "DEEPINFER_KERNELS=$choice: $dir holds neither deep_gemm/ nor deepinfer_flashmla/ (make it with tools/fetch_kernels.py)"
+            [[ -d "$dir/deep_gemm" || -d "$dir/deepinfer_flashmla" ]] || die "DEEPINFER_KERNELS=$choice: $dir holds neither deep_gemm/ nor deepinfer_flashmla/ (make it with tools/build/fetch_kernels.py)"
             (cd "$dir" && pwd) > "$pth"
             route="prebuilt in $dir" ;;
         *) die "DEEPINFER_KERNELS=$choice is not one of auto, triton, source:DIR, prebuilt:DIR, pypi[:VERSION]" ;;
@@ -115,7 +115,7 @@ if [[ "$accelerator" != cpu ]]; then
         say "installing the $accelerator backend plugin ($backend)"
         pip_install -e "$backend"
         [[ "$accelerator" == nvidia ]] && provision_deepseek_kernels
-        [[ "$accelerator" == ascend ]] && say "NPUs: $("$PYTHON" -c 'import torch, torch_npu; print(torch.npu.device_count())' 2>&1 | tail -1); validate the backend with: $PYTHON tools/ascend_validate.py"
+        [[ "$accelerator" == ascend ]] && say "NPUs: $("$PYTHON" -c 'import torch, torch_npu; print(torch.npu.device_count())' 2>&1 | tail -1); validate the backend with: $PYTHON tools/validation/ascend_validate.py"
     else
         die "the $accelerator backend plugin ($backend/pyproject.toml) is missing from this checkout"
     fi

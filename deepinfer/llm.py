@@ -11,10 +11,10 @@ from collections.abc import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from deepinfer.chat_encoding import encode_chat
-from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine import LLMEngine
-from deepinfer.core.request import Request
-from deepinfer.core.speculation import log_summary
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.runtime.request import Request
+from deepinfer.engine.speculation import log_summary
 from deepinfer.logger import init_logger
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.parallel import ranks as parallel

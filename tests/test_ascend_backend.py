@@ -1,13 +1,13 @@
 """The Ascend backend (``backends/ascend``) on a CPU: what can be checked without an NPU.
 
 * Packaging and hooks: the entry point, importing without torch_npu, declining on a CPU, without torch_npu and in
-  batch-invariant mode, the clear error for ``device="npu"`` without torch_npu, ``tools/ascend_validate.py``'s exit.
+  batch-invariant mode, the clear error for ``device="npu"`` without torch_npu, ``tools/validation/ascend_validate.py``'s exit.
 * Expert parallelism's token exchange: tests/test_ascend_exchange.py.
 * Conversions: the backends' own code run with each torch_npu operator replaced by ``DOCUMENTED``, plain-torch
   renderings of what the operator's op-plugin doc (and its CPU golden) says it computes, which also assert the
   input constraints the doc states. Equal to the reference backends on random inputs, they show that the arguments
   DeepInfer builds mean what the reference computes. They say nothing about the NPU's kernels: that is what
-  ``tools/ascend_validate.py`` is for, on an Ascend machine.
+  ``tools/validation/ascend_validate.py`` is for, on an Ascend machine.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backends" / "ascend"))  # when not pip-installed
 
 from deepinfer import envs  # noqa: E402
-from deepinfer.core.config import EngineConfig  # noqa: E402
-from deepinfer.core.fp8_kv import FP8Rows  # noqa: E402
-from deepinfer.core.ops import swiglu  # noqa: E402
-from deepinfer.core.quantization import round_fp8  # noqa: E402
+from deepinfer.engine.config import EngineConfig  # noqa: E402
+from deepinfer.runtime.fp8_kv import FP8Rows  # noqa: E402
+from deepinfer.runtime.ops import swiglu  # noqa: E402
+from deepinfer.runtime.quantization import round_fp8  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
@@ -112,7 +112,7 @@ def test_configure_engine_names_torch_npu_when_an_npu_is_asked_for(monkeypatch):
 
 def test_validation_script_exits_clearly_without_an_npu():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends" / "ascend")])}
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "ascend_validate.py")], capture_output=True,
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "validation" / "ascend_validate.py")], capture_output=True,
                           text=True, env=env, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "nothing was validated" in done.stdout + done.stderr

@@ -3,7 +3,7 @@
 ``npu_moe_distribute_dispatch_v2``/``combine_v2`` are rendered for W ranks in one process (a thread per rank) from
 their op-plugin docs, asserting the inputs the docs require, so ``AscendExchange``'s own code runs on every rank
 between them; the MoE output equals the single-process reference's. This proves the conversions, not the NPU's
-kernels nor HCCL: ``tools/ascend_validate.py`` runs the operators on two NPUs.
+kernels nor HCCL: ``tools/validation/ascend_validate.py`` runs the operators on two NPUs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backends" / "ascend"))  # when not pip-installed
 
 from deepinfer import envs  # noqa: E402
-from deepinfer.core.config import EngineConfig  # noqa: E402
+from deepinfer.engine.config import EngineConfig  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import Dispatched, ExpertWeights  # noqa: E402
 from deepinfer_ascend import plugin  # noqa: E402
@@ -45,7 +45,7 @@ def test_token_exchange_declines_on_a_cpu_without_torch_npu_its_operators_or_in_
 # --- expert parallelism's token exchange ---------------------------------------------------------------------------
 # What this proves: AscendExchange's arguments, its reading of the outputs (rows, local slots), the weights applied
 # once, the chunking and the zero token, against the operators' DOCUMENTED semantics. Not the NPU's kernels, nor
-# HCCL: tools/ascend_validate.py runs the operators on two NPUs.
+# HCCL: tools/validation/ascend_validate.py runs the operators on two NPUs.
 
 class DocumentedMoeDistribute:
     """npu_moe_distribute_dispatch_v2 / combine_v2 for ``world`` ranks in one process, each rank a thread: a call waits

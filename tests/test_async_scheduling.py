@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer import LLM, SamplingParams, envs
-from deepinfer.core.scheduled import ScheduledBatch
+from deepinfer.runtime.scheduled import ScheduledBatch
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):", "x = [",

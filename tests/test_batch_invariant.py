@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer import LLM, SamplingParams, envs
-from deepinfer.core.sampling_batch import GOLDEN
+from deepinfer.runner.sampling_batch import GOLDEN
 from deepinfer.plugins import hookimpl
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
 from deepinfer.plugins.manager import PluginError, registered

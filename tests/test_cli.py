@@ -77,7 +77,7 @@ def test_user_errors_are_one_line_and_exit_2(capsys, argv, says):
 def test_cuda_on_a_cpu_build_of_torch_is_refused_before_loading(capsys, monkeypatch):
     # our sentence, not torch's "Torch not compiled with CUDA enabled" from the first allocation on the device
     assert "build without CUDA" in _error_line(capsys, ["generate", "--model", EMBEDDED, "--device", "cuda", "x"])
-    from deepinfer.core.devices import DeviceUnavailable
+    from deepinfer.runtime.devices import DeviceUnavailable
 
     with pytest.raises(DeviceUnavailable, match="build without CUDA"):  # the API takes the same check
         LLM(EMBEDDED, device="cuda:1")
@@ -98,7 +98,7 @@ def test_debug_shows_the_traceback(monkeypatch):
 
 
 def test_ctrl_c_ends_with_130_and_no_traceback(capsys, monkeypatch):
-    from deepinfer import cli_commands
+    from deepinfer.cli import commands as cli_commands
 
     def interrupted(args):
         raise KeyboardInterrupt

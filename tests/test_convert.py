@@ -1,4 +1,4 @@
-"""deepinfer.convert: float DeepSeek checkpoints -> the released FP8 + MXFP4 layout, sharded, with an index."""
+"""deepinfer.loading.convert: float DeepSeek checkpoints -> the released FP8 + MXFP4 layout, sharded, with an index."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from deepinfer.convert import byte_size, convert_checkpoint, main, rules_for
-from deepinfer.core.quantization import dequantize
+from deepinfer.loading.convert import byte_size, convert_checkpoint, main, rules_for
+from deepinfer.runtime.quantization import dequantize
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"
 SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")

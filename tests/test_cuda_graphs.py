@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core.cuda_graphs import DecodeGraphs
-from deepinfer.core.step_inputs import StepInputs
+from deepinfer.runner.cuda_graphs import DecodeGraphs
+from deepinfer.runner.step_inputs import StepInputs
 from deepinfer.plugins.manager import registered
 
 V41_FIXTURE = Path(__file__).parent / "fixtures" / "v41_tiny"

@@ -1,4 +1,4 @@
-"""``tools/decode_roofline.py`` on flash4L's config (built on the meta device): its byte counts against counts by
+"""``tools/profiling/decode_roofline.py`` on flash4L's config (built on the meta device): its byte counts against counts by
 hand."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from deepinfer.testing.flash_fixtures import write_fixture
 
 _SPEC = importlib.util.spec_from_file_location("decode_roofline",
-                                               Path(__file__).resolve().parents[1] / "tools" / "decode_roofline.py")
+                                               Path(__file__).resolve().parents[1] / "tools" / "profiling" / "decode_roofline.py")
 roofline = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(roofline)
 

@@ -4,7 +4,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from deepinfer.core.tokenizer import IncrementalDetokenizer, load_tokenizer
+from deepinfer.loading.tokenizer import IncrementalDetokenizer, load_tokenizer
 from deepinfer.testing.tiny_tokenizer import build_tiny_tokenizer
 
 MULTILINGUAL = "héllo 世界, naïve café → ✓ 日本語 done"
@@ -175,8 +175,8 @@ def test_ids_to_text_matches_decode_and_respects_an_overridden_decode(tokenizer,
     with its own ``_decode`` keeps it."""
     from transformers import PreTrainedTokenizerFast
 
-    from deepinfer.core.model_source import EMBEDDED_MODEL_DIR
-    from deepinfer.core.tokenizer import ids_to_text
+    from deepinfer.loading.model_source import EMBEDDED_MODEL_DIR
+    from deepinfer.loading.tokenizer import ids_to_text
 
     rng = random.Random(1)
     for tok in (tokenizer, load_tokenizer(EMBEDDED_MODEL_DIR)):

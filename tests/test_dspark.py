@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's DSpark draft (``models/deepseek_v41/dspark.py``, served by ``features/mtp``) against NeMo
-AutoModel's implementation (``tools/dspark_golden.py`` recorded ``fixtures/dspark_golden.pt``), and as a drafter."""
+AutoModel's implementation (``tools/goldens/dspark_golden.py`` recorded ``fixtures/dspark_golden.pt``), and as a drafter."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.models.deepseek_v41.dspark import DraftInputs
-from deepinfer.core.model_source import EMBEDDED_MODEL_DIR
+from deepinfer.loading.model_source import EMBEDDED_MODEL_DIR
 from deepinfer.plugins.manager import PluginError, registered
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dspark_golden.pt"

@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 
 from deepinfer import LLM
-from deepinfer.core.model_source import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR
+from deepinfer.loading.model_source import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR
 from deepinfer.testing.probes import prefill_logits
 
 # DeepInfer's own source: Python the model never saw (it was trained on the standard library only).
-UNSEEN_CODE = Path(__file__).resolve().parents[1] / "deepinfer" / "core" / "scheduler.py"
+UNSEEN_CODE = Path(__file__).resolve().parents[1] / "deepinfer" / "engine" / "scheduler.py"
 
 
 @pytest.fixture(scope="module")

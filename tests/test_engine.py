@@ -219,8 +219,8 @@ def test_logprobs(llm):
 
 
 def test_sampler_skips_logprobs_nobody_asked_for():
-    from deepinfer.core.request import Request
-    from deepinfer.core.sampling_batch import build_sampling_batch
+    from deepinfer.runtime.request import Request
+    from deepinfer.runner.sampling_batch import build_sampling_batch
     from deepinfer.plugins.builtin.torch_sampler import TorchSampler
 
     logits = torch.randn(2, 50)
@@ -309,7 +309,7 @@ def test_engine_counters_add_up(tiny_v4_checkpoint, caplog):
 def test_the_model_runner_returns_the_sampled_rows_logits(tiny_v4_checkpoint):
     """The step contract end to end: the scheduler's rows (who samples decided once), the runner's typed result,
     the scheduler's booking."""
-    from deepinfer.core.model_runner import ForwardOutput
+    from deepinfer.runner.model_runner import ForwardOutput
 
     llm = LLM(str(tiny_v4_checkpoint), dtype="float32", max_num_batched_tokens=8)
     for prompt in ([5, 6, 7], list(range(3, 15))):
@@ -326,7 +326,7 @@ def test_the_model_runner_returns_the_sampled_rows_logits(tiny_v4_checkpoint):
 
 @pytest.mark.parametrize("asynchronous", [True, False])
 def test_the_step_mode_follows_the_configuration(tiny_v4_checkpoint, asynchronous):
-    from deepinfer.core.steps import DecodeSteps
+    from deepinfer.engine.steps import DecodeSteps
 
     llm = LLM(str(tiny_v4_checkpoint), dtype="float32", async_scheduling=asynchronous)
     assert type(llm.engine.steps) is DecodeSteps and llm.engine.steps.asynchronous is asynchronous

@@ -122,7 +122,7 @@ def test_module_prints_the_markdown_table():
 def test_engine_features_take_their_defaults_from_the_variables(monkeypatch):
     """Each feature's variable fills its ``EngineConfig`` field's default when a config is built; an engine
     argument overrides it, and must be a value the variable could give."""
-    from deepinfer.core.config import EngineConfig
+    from deepinfer.engine.config import EngineConfig
 
     monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "0")
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")

@@ -1,4 +1,4 @@
-"""The FP8 KV cache layout (``deepinfer.core.fp8_kv``, FlashMLA's V4 layout): bytes where FlashMLA reads them,
+"""The FP8 KV cache layout (``deepinfer.runtime.fp8_kv``, FlashMLA's V4 layout): bytes where FlashMLA reads them,
 values within e4m3 rounding, writes that touch only their own rows."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.core import fp8_kv
+from deepinfer.runtime import fp8_kv
 
 
 def _rows(tokens: int, seed: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core import fp8_kv
-from deepinfer.core.fp8_kv import FP8Rows
+from deepinfer.runtime import fp8_kv
+from deepinfer.runtime.fp8_kv import FP8Rows
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
 from deepinfer.plugins.manager import registered
 from deepinfer.testing.tiny_v4 import build_tiny_v4

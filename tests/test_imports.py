@@ -96,9 +96,27 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
     assert "deepinfer.llm" in graph["deepinfer"]  # ``deepinfer.__getattr__`` imports it on first use
-    assert "deepinfer.core.scheduler" in graph["deepinfer.core.setup"]
+    assert "deepinfer.engine.scheduler" in graph["deepinfer.engine.setup"]
 
 
 def test_deepinfer_has_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_folders_have_no_import_cycle():
+    """The folders follow a step's flow (engine -> runner -> runtime, loading beside): no folder imports one that
+    imports it back, even where no module of one imports itself back. A module at the package's top is its own node."""
+    graph = import_graph()
+    packages = {name for name in graph if (ROOT.parent / name.replace(".", "/")).is_dir()}
+
+    def folder(module: str) -> str:
+        parent = module.rpartition(".")[0]
+        return module if module in packages or parent in ("", "deepinfer") else parent
+
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        folders.setdefault(folder(module), set()).update(folder(t) for t in targets if folder(t) != folder(module))
+    assert {"deepinfer.engine", "deepinfer.runner", "deepinfer.runtime", "deepinfer.loading"} <= set(folders)
+    cycle = find_cycle(folders)
+    assert cycle is None, "import cycle between folders: " + " -> ".join(cycle)

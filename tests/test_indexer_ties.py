@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.core.ops import descending_order, select_topk
+from deepinfer.runtime.ops import descending_order, select_topk
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "features" / "batch_invariant"))
@@ -75,7 +75,7 @@ def _backends():
     except ImportError:
         return backends
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))
-    from deepinfer_nvidia.sparse_attention import TritonAttention
+    from deepinfer_nvidia.attention import TritonAttention
 
     return backends + [("nvidia triton", TritonAttention())]  # natively on a GPU, interpreted elsewhere
 

@@ -15,9 +15,9 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
 from deepinfer import envs
-from deepinfer.core.model_source import DEFAULT_MODEL, EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, resolve_model_dir
-from deepinfer.core.checkpoint import INDEX_FILE, CheckpointIndex
-from deepinfer.core.weights import load_state_dict
+from deepinfer.loading.model_source import DEFAULT_MODEL, EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, resolve_model_dir
+from deepinfer.loading.checkpoint import INDEX_FILE, CheckpointIndex
+from deepinfer.loading.weights import load_state_dict
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, YarnConfig, inv_freq
 from deepinfer.models.deepseek_v4.weight_names import canonical_name, expert_slot, naming, split_fused_experts
 
@@ -236,7 +236,7 @@ def test_resolve_model_dir_offline_and_uncached_is_explained(tmp_path):
     # A fresh interpreter: huggingface_hub reads HF_HUB_OFFLINE and HF_HOME once, at import.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DEEPINFER_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path), PYTHONPATH=str(REPO_ROOT))
-    script = ("from deepinfer.core.model_source import DEFAULT_MODEL, EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, resolve_model_dir\n"
+    script = ("from deepinfer.loading.model_source import DEFAULT_MODEL, EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, resolve_model_dir\n"
               "print(resolve_model_dir(None))\n"
               "try:\n    resolve_model_dir(DEFAULT_MODEL)\nexcept FileNotFoundError as err:\n    print(err)\n")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The MXFP4 peers' one-time weight conversions (tools/mxfp4_peers.py) keep our values: dequantizing the
+"""The MXFP4 peers' one-time weight conversions (tools/gpu/mxfp4_peers.py) keep our values: dequantizing the
 converted tensors with the peer's own layout and upcast code gives our ``dequantize_fp4``. Skips when the
 peer's Python package is absent (triton_kernels lives in the ignored .peers/ folder)."""
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "gpu"))
 
 import mxfp4_peers  # noqa: E402
-from deepinfer.core.quantization import dequantize_fp4, quantize_fp4  # noqa: E402
+from deepinfer.runtime.quantization import dequantize_fp4, quantize_fp4  # noqa: E402
 
 
 def _stack(experts, rows, cols):
@@ -61,7 +61,7 @@ def test_humming_schema_takes_our_layout():
 
 
 def test_swiglu_matches_reference():
-    from deepinfer.core.ops import swiglu
+    from deepinfer.runtime.ops import swiglu
 
     gate, up = torch.randn(8, 64) * 8, torch.randn(8, 64) * 8
     assert torch.allclose(mxfp4_peers.swiglu_fp32(gate, up, 7.0), swiglu(gate, up, 7.0).float())

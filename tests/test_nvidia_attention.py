@@ -18,11 +18,12 @@ assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Tri
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.config import EngineConfig  # noqa: E402
-from deepinfer.core.fp8_kv import PAGE_BYTES, FP8Rows, storage_shape  # noqa: E402
+from deepinfer.engine.config import EngineConfig  # noqa: E402
+from deepinfer.runtime.fp8_kv import PAGE_BYTES, FP8Rows, storage_shape  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
-from deepinfer_nvidia.sparse_attention import TritonAttention, sparse_attention  # noqa: E402
+from deepinfer_nvidia.attention import TritonAttention  # noqa: E402
+from deepinfer_nvidia.sparse_attention import sparse_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 REFERENCE = TorchAttention()
@@ -269,7 +270,7 @@ def _prefill_stand_in(q, kv, indices, scale, sinks):
 def test_flashmla_prefill_sources_are_merged_by_their_lse(widths, monkeypatch):
     """The wiring only (FlashMLA itself is tested on a GPU): one call per pool, the sinks applied by a lone source's
     call or by the merge of two; queries with no key in one source, or in both, included."""
-    import deepinfer_nvidia.sparse_attention as module
+    import deepinfer_nvidia.attention as module
 
     monkeypatch.setattr(module, "FLASHMLA_PREFILL_MIN_TOKENS", 1)
     q, sources, sinks = _attention_inputs(4, 64, 512, widths, 50, torch.bfloat16, seed=11)
@@ -328,7 +329,7 @@ def test_compressor_rows_match_the_reference(tokens, width, ratio, dtype):
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rotate_matches_the_reference(shape, rope_dim, inverse, dtype):
     """RoPE in one launch: the trailing pairs rotated in fp32, the rest copied."""
-    from deepinfer.core.ops import rotate_pairs
+    from deepinfer.runtime.ops import rotate_pairs
 
     g = torch.Generator().manual_seed(sum(shape) + rope_dim)
     x = torch.randn(shape, generator=g).to(dtype).to(DEVICE)

@@ -17,13 +17,13 @@ assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Tri
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.quantization import blockwise_linear, quantize_fp4, quantize_fp8  # noqa: E402
+from deepinfer.runtime.quantization import blockwise_linear, quantize_fp4, quantize_fp8  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia.fp8_linear import TritonLinear  # noqa: E402
 from deepinfer_nvidia.moe import TritonMoE  # noqa: E402
-from deepinfer_nvidia.sparse_attention import TritonAttention  # noqa: E402
+from deepinfer_nvidia.attention import TritonAttention  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_gpu = pytest.mark.skipif(not CUDA, reason="the pinned configurations differ from the interpreter's only on a GPU")

@@ -1,4 +1,4 @@
-"""The NVIDIA backend's one-launch V4.1 cache roundings against ``deepinfer.core.cache_formats`` (natively on a GPU,
+"""The NVIDIA backend's one-launch V4.1 cache roundings against ``deepinfer.runtime.cache_formats`` (natively on a GPU,
 else Triton's interpreter): bit for bit, on fresh random rows over several decades, partial last groups, exact
 e2m1 midpoints, zero groups and scales past e4m3's range."""
 
@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.cache_formats import round_to_format  # noqa: E402
+from deepinfer.runtime.cache_formats import round_to_format  # noqa: E402
 from deepinfer_nvidia.cache_formats import round_to_format as triton_round  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,5 +1,5 @@
 """DeepSeek's kernels in the NVIDIA plugin: the loader's report, and, on a GPU where build.sh provisioned FlashMLA,
-its sparse decode over the engine's FP8 KV layout (``deepinfer.core.fp8_kv``) against the reference attention."""
+its sparse decode over the engine's FP8 KV layout (``deepinfer.runtime.fp8_kv``) against the reference attention."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.core.fp8_kv import FP8Rows  # noqa: E402
+from deepinfer.runtime.fp8_kv import FP8Rows  # noqa: E402
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer_nvidia import deepseek_kernels as dk  # noqa: E402
 
@@ -72,7 +72,7 @@ def test_flashmla_sparse_decode_matches_the_reference(batch):
 def test_flashmla_sparse_prefill_serves_the_backend_like_the_reference(tokens):
     """The backend's calls of 256+ tokens over bf16 pools go to FlashMLA's sparse prefill (one call per pool, merged
     by their lse), on V4-Flash shapes; a query with no compressed entry and one with no key at all included."""
-    from deepinfer_nvidia.sparse_attention import TritonAttention
+    from deepinfer_nvidia.attention import TritonAttention
 
     g = torch.Generator().manual_seed(tokens)
     heads, pool_rows = 64, 4096

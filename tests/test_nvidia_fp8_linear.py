@@ -19,8 +19,8 @@ assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Tri
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.config import EngineConfig  # noqa: E402
-from deepinfer.core.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
+from deepinfer.engine.config import EngineConfig  # noqa: E402
+from deepinfer.runtime.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.fp8_rounding import act_quant, fp8_rounded  # noqa: E402
 from deepinfer_nvidia.fp8_linear import FEW_ROWS, TritonLinear, _programs_wanted, split_count  # noqa: E402

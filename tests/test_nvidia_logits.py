@@ -19,7 +19,7 @@ assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py turns Tri
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core import ops  # noqa: E402
+from deepinfer.runtime import ops  # noqa: E402
 from deepinfer.plugins.builtin.torch_linear import TorchLinear  # noqa: E402
 from deepinfer_nvidia.fp8_linear import TritonLinear  # noqa: E402
 from deepinfer_nvidia.logits import bf16_logits  # noqa: E402

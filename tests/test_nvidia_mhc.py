@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand  # noqa: E402
+from deepinfer.runtime.ops import mhc_coefficients, mhc_collapse, mhc_expand  # noqa: E402
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC  # noqa: E402
 from deepinfer_nvidia.mhc import GEMM_TOKENS, ONE_PASS_MAX_WIDTH, TritonMHC  # noqa: E402
 
@@ -59,7 +59,7 @@ GEMM_PATHS = [GEMM_TOKENS, 1]
                                               (2, 4, 2100), (70, 4, 100)])
 def test_weights_match_the_reference(tokens, n, width, dtype, gemm_tokens):
     """The projection split over K (n * width: no multiple of the split, or two column blocks a split at 2100),
-    or in tiles of tokens (70: a second, partial tile), summed with the Sinkhorn in a second launch, against ``core.ops.mhc_logits`` and the reference
+    or in tiles of tokens (70: a second, partial tile), summed with the Sinkhorn in a second launch, against ``runtime.ops.mhc_logits`` and the reference
     coefficients."""
     streams, fn, base, scale = _mix_inputs(tokens, n, width, dtype, seed=tokens * 11 + width)
     if DEVICE.type == "cuda":
@@ -135,7 +135,7 @@ def test_weights_read_strided_streams():
 @pytest.mark.parametrize("tokens, n, width", [(1, 4, 64), (9, 4, 96), (3, 2, 2048), (2, 4, 3000), (0, 4, 64),
                                               (2, 2, ONE_PASS_MAX_WIDTH + 100)])
 def test_collapse_and_expand_match_the_reference(tokens, n, width, dtype):
-    """In fp32 rounded once, as ``core.ops`` computes them; the collapse in one read of a row, or in two passes
+    """In fp32 rounded once, as ``runtime.ops`` computes them; the collapse in one read of a row, or in two passes
     of tiles over rows wider than ``ONE_PASS_MAX_WIDTH``."""
     g = torch.Generator().manual_seed(tokens * 13 + width)
     streams = torch.randn(tokens, n, width, generator=g).to(dtype).to(DEVICE)

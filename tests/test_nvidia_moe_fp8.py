@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.quantization import dequantize_fp8, quantize_fp8  # noqa: E402
+from deepinfer.runtime.quantization import dequantize_fp8, quantize_fp8  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia import moe as moe_module  # noqa: E402

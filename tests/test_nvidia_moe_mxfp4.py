@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.quantization import dequantize_fp4, quantize_fp4  # noqa: E402
+from deepinfer.runtime.quantization import dequantize_fp4, quantize_fp4  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia import moe_mxfp4  # noqa: E402
@@ -76,7 +76,7 @@ def _close(ours: torch.Tensor, reference: torch.Tensor) -> None:
 # (tokens, experts, top-k, hidden, intermediate): a decode step, uneven experts, a prefill-sized block
 SHAPES = [(1, 8, 2, 128, 64), (21, 6, 3, 192, 64), (70, 4, 2, 64, 128)]
 if CUDA:
-    SHAPES += [(1, 384, 6, 5120, 2304), (300, 32, 6, 1024, 512)]  # tools/gpu_mxfp4.py checks V4.1 at 8-2048
+    SHAPES += [(1, 384, 6, 5120, 2304), (300, 32, 6, 1024, 512)]  # tools/gpu/gpu_mxfp4.py checks V4.1 at 8-2048
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", SHAPES)

@@ -1,4 +1,4 @@
-"""The NVIDIA backend's one-launch RMSNorm against ``deepinfer.core.ops.rms_norm`` (natively on a GPU, else Triton's
+"""The NVIDIA backend's one-launch RMSNorm against ``deepinfer.runtime.ops.rms_norm`` (natively on a GPU, else Triton's
 interpreter) on fresh random rows, weighted and not, in bf16 and fp32."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.ops import rms_norm  # noqa: E402
+from deepinfer.runtime.ops import rms_norm  # noqa: E402
 from deepinfer_nvidia.norm import rms_norm as triton_rms_norm  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

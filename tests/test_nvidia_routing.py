@@ -16,7 +16,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.ops import route_tokens  # noqa: E402
+from deepinfer.runtime.ops import route_tokens  # noqa: E402
 from deepinfer.plugins.interfaces import RouterWeights  # noqa: E402
 from deepinfer_nvidia import routing  # noqa: E402
 from deepinfer_nvidia.moe import TritonMoE  # noqa: E402

@@ -1,4 +1,4 @@
-"""The NVIDIA backend's padded-step slot kernels against ``deepinfer.core.slots.padded_slots`` (natively on a GPU,
+"""The NVIDIA backend's padded-step slot kernels against ``deepinfer.runtime.slots.padded_slots`` (natively on a GPU,
 else Triton's interpreter), on random block tables and positions, including padded rows, unclosed windows, positions
 before the first block and tables narrower than a position's block."""
 
@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
-from deepinfer.core.step_inputs import StepInputs  # noqa: E402
-from deepinfer.core.slots import SlotLayout, padded_slots  # noqa: E402
+from deepinfer.runner.step_inputs import StepInputs  # noqa: E402
+from deepinfer.runtime.slots import SlotLayout, padded_slots  # noqa: E402
 from deepinfer_nvidia.slots import padded_slots as triton_padded_slots  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

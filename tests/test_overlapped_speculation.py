@@ -1,4 +1,4 @@
-"""Speculative steps that overlap the host (``core/overlapped_speculation.py``): acceptance and drafting stay on the
+"""Speculative steps that overlap the host (``engine/overlapped_speculation.py``): acceptance and drafting stay on the
 device and the next verification step is launched before the host has the previous one's result, its positions,
 tokens, Engram history and sampling noise positions corrected on the device. Outputs must be those of decoding
 without drafts, and the acceptance counters those of the synchronous verification.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, envs
-from deepinfer.core import speculation
+from deepinfer.engine import speculation
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
 from deepinfer.testing.oracle_drafts import (GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, assert_same,

@@ -15,7 +15,7 @@ import torch
 import counting_exchange_plugin
 import parallel_fault_plugin
 from deepinfer import LLM, SamplingParams, envs
-from deepinfer.core.config import EngineConfig
+from deepinfer.engine.config import EngineConfig
 from deepinfer.parallel.context_parallel import zigzag_owners
 from deepinfer.parallel.ranks import Ranks
 from deepinfer.plugins.manager import load_plugins, pm, registered

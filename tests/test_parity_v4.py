@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core.ops import mhc_logits
+from deepinfer.runtime.ops import mhc_logits
 from deepinfer.models.deepseek_v4.layers import unweighted_rms_norm
 from deepinfer.testing.probes import prefill_logits
 
@@ -116,7 +116,7 @@ def test_prefix_cache_hit_gives_same_tokens(checkpoint, prompts, hf_greedy):
 
 
 def test_mhc_logits_project_before_normalising_within_fp32():
-    """V4 (and HF) normalise the flat streams and then project; ``core.ops.mhc_logits`` projects and then scales by
+    """V4 (and HF) normalise the flat streams and then project; ``runtime.ops.mhc_logits`` projects and then scales by
     the RMS, as V4.1's released kernel does: the same logits, up to fp32 rounding."""
     g = torch.Generator().manual_seed(0)
     n, width = 4, 256

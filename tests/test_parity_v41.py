@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 against NeMo AutoModel's public implementation (golden outputs in tests/fixtures/v41_tiny).
 
-``tools/v41_golden.py`` wrote the fixture in its own environment: a tiny random V4.1 with every layer kind
+``tools/goldens/v41_golden.py`` wrote the fixture in its own environment: a tiny random V4.1 with every layer kind
 (window-only, CSA2 ratio 2 and 1, KV-source sharing, re-index and reuse layers, the two-level indexer, Engram,
 a window-only decoder layer, DSpark stages) in the released checkpoint format, and the reference's fp32 logits and
 greedy continuations (recomputed from scratch for every token). Here the engine runs the same files through its

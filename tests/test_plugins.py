@@ -11,7 +11,7 @@ import torch
 
 import deepinfer
 from deepinfer import SamplingParams, envs
-from deepinfer.core.config import EngineConfig
+from deepinfer.engine.config import EngineConfig
 from deepinfer.plugins import (PluginError, call_all, check_pending, hookimpl, list_plugins,
                                load_entry_point_plugins, load_plugins, manager, pm, registered,
                                select_backend, select_optional_backend)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.core.quantization import (
+from deepinfer.runtime.quantization import (
     E2M1_VALUES, blockwise_linear, dequantize, infer_block, quantize_fp4, quantize_fp8, round_fp8, weight_block_size,
 )
 
@@ -72,7 +72,7 @@ def test_blockwise_linear_is_the_dequantized_product_of_fp8_rounded_activations(
 
 
 def test_blockwise_linear_dequantizes_in_slabs(monkeypatch):
-    import deepinfer.core.quantization as quantization
+    import deepinfer.runtime.quantization as quantization
 
     w = torch.randn(256, 64, generator=torch.Generator().manual_seed(3))
     weight, scale = quantize_fp8(w, 32, 32)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core.linear import Linear
+from deepinfer.runtime.linear import Linear
 from deepinfer.plugins import hookimpl
 from deepinfer.plugins.builtin.torch_linear import TorchLinear
 from deepinfer.plugins.manager import registered
@@ -163,7 +163,7 @@ def test_bad_engine_arguments_are_named():
 
 @pytest.fixture(scope="module")
 def quantized_v4(tiny_v4_checkpoint, tmp_path_factory):
-    from deepinfer.convert import convert_checkpoint
+    from deepinfer.loading.convert import convert_checkpoint
 
     return convert_checkpoint(tiny_v4_checkpoint, tmp_path_factory.mktemp("v4") / "fp8", progress=False)
 
@@ -172,7 +172,7 @@ def quantized_v4(tiny_v4_checkpoint, tmp_path_factory):
 def test_kept_weights_are_multiplied_exactly(which, quantized_v4, monkeypatch):
     """Without activation rounding the kept-quantized engine computes what the dequantized one does, so the
     only difference left between them is FP8 activation rounding (bounded per GEMM in test_quantization)."""
-    import deepinfer.core.quantization as quantization
+    import deepinfer.runtime.quantization as quantization
     from deepinfer.testing.probes import prefill_logits
 
     model_dir = str(quantized_v4 if which == "v4" else FIXTURE)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM
-from deepinfer.core.checkpoint import CheckpointIndex
+from deepinfer.loading.checkpoint import CheckpointIndex
 from deepinfer.models.registry import model_config
 from deepinfer.testing.tiny_v41 import build_tiny_v41
 

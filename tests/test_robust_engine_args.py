@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.core.config import EngineConfig
+from deepinfer.engine.config import EngineConfig
 
 BOUNDED = settings(max_examples=40, deadline=None, derandomize=True)
 INTS = ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "context_parallel_size",

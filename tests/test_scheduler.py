@@ -3,11 +3,11 @@ included), and steps scheduled ahead of the one in flight."""
 
 from __future__ import annotations
 
-from deepinfer.core.block_manager import BlockManager
-from deepinfer.core.kv_cache import CacheKind
-from deepinfer.core.request import Request
-from deepinfer.core.scheduled import ScheduledBatch, ScheduledRequest
-from deepinfer.core.scheduler import Scheduler, SchedulerLimits
+from deepinfer.runtime.block_manager import BlockManager
+from deepinfer.runtime.kv_cache import CacheKind
+from deepinfer.runtime.request import Request
+from deepinfer.runtime.scheduled import ScheduledBatch, ScheduledRequest
+from deepinfer.engine.scheduler import Scheduler, SchedulerLimits
 from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""Projections of one input fused into one GEMM per weight format (``deepinfer.core.linear.SharedInput``), and the
+"""Projections of one input fused into one GEMM per weight format (``deepinfer.runtime.linear.SharedInput``), and the
 V4 indexer, which skips scoring when every candidate fits its top-k (two ways a decode step sheds launches)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from deepinfer.core.linear import Linear, SharedInput
-from deepinfer.core.quantization import quantize_fp4, quantize_fp8
+from deepinfer.runtime.linear import Linear, SharedInput
+from deepinfer.runtime.quantization import quantize_fp4, quantize_fp8
 from deepinfer.plugins.builtin.torch_linear import TorchLinear
 
 

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (``core/speculation.py``): drafts from a ``deepinfer_drafter`` plugin are
+"""Speculative decoding in the engine (``engine/speculation.py``): drafts from a ``deepinfer_drafter`` plugin are
 verified by the next step and rolled back where rejected; outputs must be exactly those of decoding without drafts.
 
 The drafters here know the reference continuation (from a run without drafts), so a test decides what is right
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, envs
-from deepinfer.core import speculation
+from deepinfer.engine import speculation
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
 from deepinfer.testing.oracle_drafts import (GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, assert_same,

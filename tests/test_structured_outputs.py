@@ -214,7 +214,7 @@ def test_min_tokens_is_refused_with_a_grammar(llm):
 @pytest.mark.parametrize("keyword", ["not", "if", "oneOf", "contains", "allOf"])
 def test_the_refused_keywords_are_indeed_not_enforced_by_xgrammar(llm, keyword):
     """If a newer xgrammar enforces one of these, this fails: drop it from UNENFORCED then (the others were found
-    by tools/json_schema_suite.py, which a newer xgrammar should be rerun with)."""
+    by tools/validation/json_schema_suite.py, which a newer xgrammar should be rerun with)."""
     import xgrammar as xgr
 
     schema, violating = {

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3
 
 @pytest.fixture(scope="module")
 def text_ids():
-    from deepinfer.core.model_source import EMBEDDED_MODEL_DIR
+    from deepinfer.loading.model_source import EMBEDDED_MODEL_DIR
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deepinfer.core.linear import fuse_shared_inputs, materialize, quantizable_weights
-from deepinfer.core.weights import dummy_layout, fill_dummy, plan_load, stream_into
+from deepinfer.runtime.linear import fuse_shared_inputs, materialize, quantizable_weights
+from deepinfer.loading.weights import dummy_layout, fill_dummy, plan_load, stream_into
 from deepinfer.models.deepseek_v4.weight_names import naming
 from deepinfer.models.registry import checkpoint_naming, model_class
 from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBackend, MoEBackend

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deepinfer.parallel.ranks import Ranks
 
 if TYPE_CHECKING:  # the engine's step contract; parallel sits below the engine and imports nothing of it at run time
-    from deepinfer.core.scheduled import ScheduledBatch
+    from deepinfer.runtime.scheduled import ScheduledBatch
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ class AttentionBackend(Protocol):
 
         ``q`` is [T, H, D]. Each source is ``(rows [N, D], indices [T, K])``: key j of query t
         is ``rows[indices[t, j]]`` and is also its value (K = V). ``rows`` is a tensor or, with
-        ``kv_cache_dtype="fp8"``, ``deepinfer.core.fp8_kv.FP8Rows`` (indexing it dequantizes).
+        ``kv_cache_dtype="fp8"``, ``deepinfer.runtime.fp8_kv.FP8Rows`` (indexing it dequantizes).
         ``sinks`` [H] (fp32) enters only the softmax denominator. Returns [T, H, D] in ``q``'s dtype.
         """
 
@@ -49,40 +49,40 @@ class AttentionBackend(Protocol):
         names the state rows a window pools (-1: before the sequence start). With ``overlap`` 2 the first
         ``ratio`` rows contribute their first D channels and the last ``ratio`` their second D. Per channel, a
         softmax over the rows' scores weights their kv; the sum is RMS-normalized and scaled by ``norm_weight``.
-        ``deepinfer.core.ops.compress_pool`` is the reference.
+        ``deepinfer.runtime.ops.compress_pool`` is the reference.
         """
 
     def store_compressor_rows(self, state: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
                               position_bias: torch.Tensor, positions: torch.Tensor) -> None:
         """Writes V4's compressor-state rows at ``slots`` [T] of ``state`` (the layout ``compress_pool`` reads):
         ``[kv | score + position_bias[position % R]]`` in fp32, from the projections ``kv`` and ``score`` [T, C]
-        (any float dtype), ``position_bias`` [R, C] fp32 and ``positions`` [T] (``deepinfer.core.ops.compressor_rows``
+        (any float dtype), ``position_bias`` [R, C] fp32 and ``positions`` [T] (``deepinfer.runtime.ops.compressor_rows``
         is the reference)."""
 
     def rotate(self, x: torch.Tensor, phases: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
         """RoPE: ``x`` [T, D] or [T, H, D] with its trailing ``rope_dim`` channels, read as interleaved pairs
         (x[2i], x[2i+1]), multiplied as complex numbers by ``phases`` [T, rope_dim/2] complex64 (their conjugates
-        when ``inverse``), in fp32; the other channels unchanged; ``x``'s dtype (``deepinfer.core.ops.rotate_pairs``
+        when ``inverse``), in fp32; the other channels unchanged; ``x``'s dtype (``deepinfer.runtime.ops.rotate_pairs``
         is the reference)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """The model's RMSNorms that no other kernel fuses (attention's query, key and per-head norms, the final
         norm): ``x`` [..., D] RMS-normalized over its last dim in fp32, times ``weight`` [D] (fp32) when given, in
-        ``x``'s dtype (``deepinfer.core.ops.rms_norm`` is the reference)."""
+        ``x``'s dtype (``deepinfer.runtime.ops.rms_norm`` is the reference)."""
 
     def round_to_format(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
         """``x`` [..., D] quantized to a V4.1 cache format and dequantized back, along its last dim, in ``x``'s
         dtype: ``"fp8"`` (e4m3, a power-of-two scale per 32 channels), ``"mxfp4"`` (e2m1, a power-of-two scale per
-        32) or ``"nvfp4"`` (e2m1, an e4m3 scale per 16); bit for bit as ``deepinfer.core.cache_formats``."""
+        32) or ``"nvfp4"`` (e2m1, an e4m3 scale per 16); bit for bit as ``deepinfer.runtime.cache_formats``."""
 
     def store_rows(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes ``rows`` [n, D] at ``slots`` [n] (all valid) of a cache pool the attention reads: a row tensor
-        (in its dtype) or ``FP8Rows`` (quantized; ``deepinfer.core.fp8_kv.store`` is the reference)."""
+        (in its dtype) or ``FP8Rows`` (quantized; ``deepinfer.runtime.fp8_kv.store`` is the reference)."""
 
     def padded_slots(self, layout, inputs):
         """Every slot a padded decode step (what a CUDA graph replays) reads or writes: ``layout`` a
-        ``deepinfer.core.slots.SlotLayout``, ``inputs`` the step's ``StepInputs`` (``scratch_rows`` set). Returns a
-        ``deepinfer.core.slots.PaddedSlots``, equal to what ``deepinfer.core.slots.padded_slots`` (the reference)
+        ``deepinfer.runtime.slots.SlotLayout``, ``inputs`` the step's ``StepInputs`` (``scratch_rows`` set). Returns a
+        ``deepinfer.runtime.slots.PaddedSlots``, equal to what ``deepinfer.runtime.slots.padded_slots`` (the reference)
         computes."""
 
     def indexer_topk(
@@ -144,7 +144,7 @@ class MHCBackend(Protocol):
 
         Returns ``pre = sigmoid(logits[:, :n]) + eps`` [T, n], ``post = 2 sigmoid(logits[:, n:2n])`` [T, n] and
         ``comb`` [T, n, n]: a row softmax of the last n*n logits plus eps, then ``sinkhorn_iters`` alternating
-        column / row normalisations (the first column one included; ``deepinfer.core.ops.sinkhorn``), all fp32.
+        column / row normalisations (the first column one included; ``deepinfer.runtime.ops.sinkhorn``), all fp32.
         """
 
     def weights(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_mult: int,
@@ -153,14 +153,14 @@ class MHCBackend(Protocol):
         returns (``hc_eps`` its eps) for the logits ``base + (flat @ fn.T) * rsqrt(mean(flat^2, -1) + norm_eps)
         * scales`` [T, (2 + n) n], where ``flat`` is ``streams.flatten(1)`` in fp32 and ``scales`` repeats ``scale``
         [3] over the n pre, n post and n*n comb logits. ``fn`` [(2 + n) n, n D] and ``base`` [(2 + n) n] are fp32
-        (``deepinfer.core.ops.mhc_logits``).
+        (``deepinfer.runtime.ops.mhc_logits``).
         """
 
     def collapse(self, streams: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0) -> torch.Tensor:
         """A sublayer's input [T, D] from the streams [T, n, D]: ``sum_i pre[:, i] * streams[:, i]`` computed in
         fp32 and returned in the streams' dtype; with ``norm_weight`` [D] fp32, RMS-normalized (``eps``) and scaled
-        by it, the sublayer's input norm (``deepinfer.core.ops.mhc_collapse``)."""
+        by it, the sublayer's input norm (``deepinfer.runtime.ops.mhc_collapse``)."""
 
     def sublayer_input(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                        hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
@@ -172,7 +172,7 @@ class MHCBackend(Protocol):
     def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
                ) -> torch.Tensor:
         """The new streams [T, n, D]: ``post[:, o] * output + sum_i comb[:, i, o] * streams[:, i]`` computed in fp32
-        and rounded once to the output's dtype (``deepinfer.core.ops.mhc_expand``)."""
+        and rounded once to the output's dtype (``deepinfer.runtime.ops.mhc_expand``)."""
 
 
 @dataclass(slots=True)
@@ -219,12 +219,12 @@ class MoEBackend(Protocol):
         ``x`` [T, hidden] (any float dtype, multiplied in fp32), ``token_ids`` [T] (read by hash layers). Score-routed
         ids are sorted by descending biased score; a hash layer's ids are its ``tid2eid`` row in that row's order.
         The weights are the unbiased scores of those ids, normalised if ``norm_topk_prob``, times ``route_scale``
-        (``deepinfer.core.ops.route_tokens`` is the reference).
+        (``deepinfer.runtime.ops.route_tokens`` is the reference).
         """
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         """The shared expert's activation: ``silu(min(gate, L)) * clamp(up, -L, L)`` in fp32, returned in ``gate``'s
-        dtype (``deepinfer.core.ops.swiglu`` is the reference, before the cast)."""
+        dtype (``deepinfer.runtime.ops.swiglu`` is the reference, before the cast)."""
 
     def routed_experts(
         self,
@@ -318,7 +318,7 @@ class Drafter(Protocol):
     name: str
 
     def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
-        """One ``Draft`` per request (``core.request.Request``: its ``token_ids`` end with the token the drafts
+        """One ``Draft`` per request (``runtime.request.Request``: its ``token_ids`` end with the token the drafts
         follow; none is pending a value). Called after each step, with what that step computed, for the requests
         that decode next (none, when a step only prefilled: ``computed`` still matters); an empty draft means no
         speculation for that request this step. Longer drafts than the engine verifies are cut."""
@@ -328,7 +328,7 @@ class Drafter(Protocol):
     #
     # Optional, together: ``device_slots(requests) -> list[int]`` and ``propose_on_device(slots, positions, rows,
     # kept, sampled) -> (tokens [B, D], confidence [B, D] or None)``; speculative steps then overlap the host
-    # (``core/overlapped_speculation.py``). ``device_slots`` runs on the host: where each request's state lives
+    # (``engine/overlapped_speculation.py``). ``device_slots`` runs on the host: where each request's state lives
     # on the device. ``propose_on_device`` is device work only, captured in the engine's step graph (no host
     # reads, no tensors built from host values: it gets everything as arguments): the last step computed
     # ``rows`` rows per request from ``positions`` [B]; the first ``kept`` [B] of them stand; ``sampled`` [B,

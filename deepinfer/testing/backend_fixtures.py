@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from deepinfer.core.quantization import quantize_fp4, quantize_fp8
+from deepinfer.runtime.quantization import quantize_fp4, quantize_fp8
 from deepinfer.plugins.interfaces import ExpertWeights
 
 

@@ -1,5 +1,5 @@
 """One request among random batch mates: the harness of batch-invariant mode's test and of
-``tools/batch_invariance.py``."""
+``tools/validation/batch_invariance.py``."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core.request import Request
-from deepinfer.core.scheduled import ScheduledBatch, ScheduledRequest
+from deepinfer.runtime.request import Request
+from deepinfer.runtime.scheduled import ScheduledBatch, ScheduledRequest
 from deepinfer.sampling_params import SamplingParams
 
 

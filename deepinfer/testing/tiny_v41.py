@@ -3,7 +3,7 @@
 ``TINY_V41`` gives every layer kind the engine implements one layer: 0-1 window only (1 with Engram); 2 a ratio-2
 KV and index source; 3 reuses 2; 4 re-indexes 2's keys; 5 a ratio-1 KV source publishing candidate blocks; 6 reuses
 5; 7 re-indexes inside 5's candidates (with Engram); 8 a window-only decoder layer; plus three DSpark entries.
-``tools/v41_golden.py`` builds the NeMo AutoModel fixture from the same dict.
+``tools/goldens/v41_golden.py`` builds the NeMo AutoModel fixture from the same dict.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.convert import QUANTIZATION_CONFIG, V41
+from deepinfer.loading.convert import QUANTIZATION_CONFIG, V41
 from deepinfer.testing.tiny_tokenizer import build_tiny_tokenizer
 
 TINY_V41 = dict(
@@ -62,8 +62,8 @@ TINY_V41 = dict(
 )
 
 def released_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Float tensors under released names -> the released dtypes (``deepinfer.convert.V41``: FP8/MXFP4 + e8m0
-    scales, fp32, else bf16), as ``python -m deepinfer.convert`` writes them."""
+    """Float tensors under released names -> the released dtypes (``deepinfer.loading.convert.V41``: FP8/MXFP4 + e8m0
+    scales, fp32, else bf16), as ``python -m deepinfer.loading.convert`` writes them."""
     out = {}
     for name, value in tensors.items():
         out.update(V41.store(name, value))

@@ -11,8 +11,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from deepinfer.core.fp8_kv import WIDTH as FP8_WIDTH, FP8Rows
-from deepinfer.core.quantization import dequantize, round_fp8
+from deepinfer.runtime.fp8_kv import WIDTH as FP8_WIDTH, FP8Rows
+from deepinfer.runtime.quantization import dequantize, round_fp8
 
 Pool = torch.Tensor | FP8Rows
 
@@ -208,7 +208,7 @@ def combine(y: torch.Tensor, expanded_row_idx: torch.Tensor, topk_ids: torch.Ten
 
 def sinkhorn_arguments(comb_logits: torch.Tensor, iters: int, eps: float) -> tuple[tuple, dict]:
     """npu_mhc_sinkhorn on [T, n, n] fp32 logits: a row softmax plus eps, a column normalisation, then ``iters - 1``
-    row/column pairs, each sum plus eps: ``deepinfer.core.ops.sinkhorn`` step for step."""
+    row/column pairs, each sum plus eps: ``deepinfer.runtime.ops.sinkhorn`` step for step."""
     return (comb_logits.float().contiguous(),), dict(eps=float(eps), num_iters=int(iters), out_flag=0)
 
 
@@ -217,6 +217,6 @@ def mhc_post_arguments(streams: torch.Tensor, output: torch.Tensor, post: torch.
     """npu_mhc_post(x, h_res, h_out, h_post) for ``post[:, o] * output + sum_i comb[:, i, o] * streams[:, i]``.
 
     ``comb`` goes in as it is: op-plugin's golden sums ``h_res[..., i, o] * x[..., i, :]`` over i, which is ours
-    (its doc's "H_res x x_l" notation reads the other way; ``tools/ascend_validate.py`` checks it on an NPU).
+    (its doc's "H_res x x_l" notation reads the other way; ``tools/validation/ascend_validate.py`` checks it on an NPU).
     """
     return (streams.contiguous(), comb.float().contiguous(), output.contiguous(), post.float().contiguous()), {}

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from deepinfer.core.ops import route_tokens
+from deepinfer.runtime.ops import route_tokens
 from deepinfer.logger import init_logger, log_once
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import ExpertWeights

@@ -1,7 +1,7 @@
 """V4.1's cache formats in one launch (``AttentionBackend.round_to_format``): the reference pads, groups, takes
 each group's amax, derives its scale with integer tricks, buckets the scaled values onto the e2m1 grid and scales
 back, some twenty kernels per call and four calls per V4.1 layer at decode. Here a program rounds whole groups in
-registers, bit for bit as ``deepinfer.core.cache_formats``: every step is exact in fp32 (power-of-two scales, the
+registers, bit for bit as ``deepinfer.runtime.cache_formats``: every step is exact in fp32 (power-of-two scales, the
 NVFP4 scale's e4m3 rounding and the e2m1 grid done in fp32 arithmetic, the one inexact division correctly rounded),
 and each result has at most 7 significant bits, so storing it in bf16 rounds nothing.
 """

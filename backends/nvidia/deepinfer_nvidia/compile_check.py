@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, fp8_rounding, kv_store, logits, mhc,
-                              moe, moe_blocks, moe_fp8, moe_grouped, moe_mxfp4, norm, rope, routing, slots)
+                              mhc_weights, moe, moe_blocks, moe_fp8, moe_grouped, moe_mxfp4, norm, rope, routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -144,15 +144,15 @@ CASES = {
                                {"N": 4, "BLOCK_D": 8192, "NORM": True, "ONE_PASS": True}),
     "mhc expand": (mhc._expand_kernel, {"streams_ptr": "*bf16", "output_ptr": "*bf16", "post_ptr": "*fp32",
                                         "comb_ptr": "*fp32", "out_ptr": "*bf16"}, {"N": 4, "BLOCK_D": 1024}),
-    "mhc mix partials": (mhc._mix_partials_kernel, {"streams_ptr": "*bf16", "fn_ptr": "*fp32", "dots_ptr": "*fp32",
-                                                    "squares_ptr": "*fp32"},
+    "mhc mix partials": (mhc_weights._mix_partials_kernel, {"streams_ptr": "*bf16", "fn_ptr": "*fp32",
+                                                            "dots_ptr": "*fp32", "squares_ptr": "*fp32"},
                          {"M": 24, "M_PAD": 32, "BLOCK_T": 16, "BLOCK_K": 128, "BLOCKS_PER_SPLIT": 2}),
-    "mhc mix tiles": (mhc._mix_tiles_kernel, {"streams_ptr": "*bf16", "fn_ptr": "*fp32", "dots_ptr": "*fp32",
-                                              "squares_ptr": "*fp32"},
+    "mhc mix tiles": (mhc_weights._mix_tiles_kernel, {"streams_ptr": "*bf16", "fn_ptr": "*fp32", "dots_ptr": "*fp32",
+                                                      "squares_ptr": "*fp32"},
                       {"M": 24, "M_PAD": 32, "TILE_T": 64, "BLOCK_K": 128, "BLOCKS_PER_SPLIT": 64}),
-    "mhc weights": (mhc._mhc_weights_kernel, {"dots_ptr": "*fp32", "squares_ptr": "*fp32", "base_ptr": "*fp32",
-                                              "scale_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32",
-                                              "comb_ptr": "*fp32", "norm_eps": "fp32"},
+    "mhc weights": (mhc_weights._mhc_weights_kernel, {"dots_ptr": "*fp32", "squares_ptr": "*fp32",
+                                                      "base_ptr": "*fp32", "scale_ptr": "*fp32", "pre_ptr": "*fp32",
+                                                      "post_ptr": "*fp32", "comb_ptr": "*fp32", "norm_eps": "fp32"},
                     {"N": 4, "ITERS": 20, "SPLITS_PAD": 64}),
     "mhc sublayer input": (mhc._sublayer_input_kernel, {"dots_ptr": "*fp32", "squares_ptr": "*fp32", "base_ptr": "*fp32",
                                                       "scale_ptr": "*fp32", "streams_ptr": "*bf16", "weight_ptr": "*fp32",
@@ -162,7 +162,8 @@ CASES = {
     **{f"{fmt} cache rounding": (cache_formats._round_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                                  {"GROUP": group, "GROUPS": cache_formats.GROUPS_PER_PROGRAM, "FORMAT": code})
        for fmt, (group, code) in cache_formats.FORMATS.items()},
-    "mhc": (mhc._mhc_kernel, {"logits_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32"},
+    "mhc": (mhc_weights._mhc_kernel, {"logits_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32",
+                                      "comb_ptr": "*fp32"},
             {"N": 4, "ITERS": 20, "BLOCK_T": 16}),
 }
 FLOAT_SCALARS = {"limit", "qk_scale", "sink_scale", "eps"}

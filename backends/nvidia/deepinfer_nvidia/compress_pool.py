@@ -1,6 +1,6 @@
 """V4's compressor in two launches per call. Pooling (``AttentionBackend.compress_pool``): one program per closing
 window gathers its state rows, takes the per-channel softmax over their scores with an online max, sums the weighted
-kv and RMS-normalizes the result. The torch reference (``deepinfer.core.ops.compress_pool``) spends about a dozen
+kv and RMS-normalizes the result. The torch reference (``deepinfer.runtime.ops.compress_pool``) spends about a dozen
 kernels per call, and a V4-Flash decode step makes 62 calls (every compressed layer, and the indexer's too). The
 state rows (``store_compressor_rows``): widened, position-biased and written in one pass instead of seven kernels."""
 

@@ -1,10 +1,10 @@
 """DeepSeek's own kernels (FlashMLA, DeepGEMM), loaded lazily wherever ``build.sh`` provisioned them.
 
 Routes, in the order they are tried: a source build installs the ``flash_mla`` and ``deep_gemm`` packages; the
-prebuilt route (``tools/fetch_kernels.py``) leaves FlashMLA's compiled extension as
+prebuilt route (``tools/build/fetch_kernels.py``) leaves FlashMLA's compiled extension as
 ``deepinfer_flashmla._flashmla_C`` and DeepGEMM's package as ``deep_gemm`` in a folder that build.sh puts on the
 interpreter's path. Either way, a library that does not load is reported with the reason, never silently skipped.
-FlashMLA's sparse decode reads the FP8 KV layout of ``deepinfer.core.fp8_kv`` (``FP8Rows.flashmla_view``), its sparse
+FlashMLA's sparse decode reads the FP8 KV layout of ``deepinfer.runtime.fp8_kv`` (``FP8Rows.flashmla_view``), its sparse
 prefill bf16 rows.
 """
 

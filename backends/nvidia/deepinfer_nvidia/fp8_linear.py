@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.core.ops import fp32_logits
-from deepinfer.core.quantization import blockwise_linear, infer_block
+from deepinfer.runtime.ops import fp32_logits
+from deepinfer.runtime.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import INTERPRETED
 from deepinfer_nvidia.fp8_rounding import _e4m3_values, _native_fp8, _segment_scale, act_quant

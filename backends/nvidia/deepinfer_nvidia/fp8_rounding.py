@@ -1,5 +1,5 @@
 """Activations rounded to FP8 e4m3 in Triton, one power-of-two scale per ``1 x block`` segment, bit-exact with
-``deepinfer.core.quantization.round_fp8``: what the FP8 GEMMs (``fp8_linear``) and the MXFP4 experts (``moe``) read,
+``deepinfer.runtime.quantization.round_fp8``: what the FP8 GEMMs (``fp8_linear``) and the MXFP4 experts (``moe``) read,
 and the rounding helpers the FP8 caches' kernels share (``cache_formats``, ``kv_store``).
 """
 

@@ -1,4 +1,4 @@
-"""Writing attention rows into the cache in one launch: FP8 rows (``deepinfer.core.fp8_kv``) are quantized and
+"""Writing attention rows into the cache in one launch: FP8 rows (``deepinfer.runtime.fp8_kv``) are quantized and
 scattered by one Triton program per row, where the reference takes a dozen torch ops. Bit-identical to the
 reference: the exponent comes from the bits of ``amax / 448`` (correctly rounded division), the scale is built as
 bits, and values are rounded to nearest even on their bits before any conversion, so the conversions themselves
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.core import fp8_kv
+from deepinfer.runtime import fp8_kv
 from deepinfer_nvidia.fp8_rounding import _round_to_e4m3
 
 # the layout as constants the kernels fold in (the attention kernel reads with the same ones)

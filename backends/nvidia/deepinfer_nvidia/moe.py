@@ -10,7 +10,7 @@ graphs. So the grid has a bound computed from shapes alone (each expert's last b
 replayed with other routing.
 
 w1 and w3 share one launch: each block reads its activation tile once for both weights and writes
-``swiglu(gate, up)`` (``deepinfer.core.ops``). w2 reads those rows in expert order and writes each result to its
+``swiglu(gate, up)`` (``deepinfer.runtime.ops``). w2 reads those rows in expert order and writes each result to its
 (token, slot) row, so the top-k sum is a plain reduction rather than a scatter.
 
 MXFP4: layers whose shapes and scales allow it are repacked on first use and served by ``moe_mxfp4``'s swap-AB
@@ -276,7 +276,7 @@ def _tuned_fp4_experts():
 PINNED_FP4_TILES = {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
 
 
-# Switches for tools/gpu_mxfp4.py: e2m1 codes decoded by _e2m1_pairs' packed PTX (True) or _e2m1_scaled's int16
+# Switches for tools/gpu/gpu_mxfp4.py: e2m1 codes decoded by _e2m1_pairs' packed PTX (True) or _e2m1_scaled's int16
 # ops; scales read four to a word where the rows allow it (True) or a byte at a time
 PACKED_E2M1_DECODE = True
 WORD_SCALES = True

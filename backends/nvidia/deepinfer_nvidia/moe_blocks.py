@@ -116,7 +116,7 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
 
 @triton.jit
 def swiglu(gate, up, limit):
-    """deepinfer.core.ops.swiglu, in fp32."""
+    """deepinfer.runtime.ops.swiglu, in fp32."""
     gate = tl.minimum(gate, limit)
     return gate * tl.sigmoid(gate) * tl.clamp(up, -limit, limit)
 

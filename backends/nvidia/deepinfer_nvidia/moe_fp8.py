@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.core.quantization import infer_block
+from deepinfer.runtime.quantization import infer_block
 from deepinfer_nvidia import activation, moe_blocks
 from deepinfer_nvidia.fp8_linear import _fp32_scales
 from deepinfer_nvidia.fp8_rounding import _native_fp8, act_quant

@@ -1,4 +1,4 @@
-"""RMSNorm in one launch: the reference (``deepinfer.core.ops.rms_norm``) widens a bf16 input to fp32, normalizes
+"""RMSNorm in one launch: the reference (``deepinfer.runtime.ops.rms_norm``) widens a bf16 input to fp32, normalizes
 and narrows it back, three kernels per norm and three norms per attention layer at decode."""
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def deepinfer_attention_backend(config, device):
     if device.type != "cuda":
         return None
     from deepinfer_nvidia.deepseek_kernels import deep_gemm, flash_mla, flash_mla_prefill, report
-    from deepinfer_nvidia.sparse_attention import FLASHMLA_PREFILL_MIN_TOKENS, TritonAttention
+    from deepinfer_nvidia.attention import FLASHMLA_PREFILL_MIN_TOKENS, TritonAttention
 
     if _invariant(config):
         log_once(logger, logging.INFO, f"DeepSeek kernels: {report()}; batch-invariant mode: Triton serves "

@@ -1,6 +1,6 @@
 """RoPE in one launch (``AttentionBackend.rotate``).
 
-The reference (``deepinfer.core.ops.rotate_pairs``) widens the rope channels, makes them contiguous complex
+The reference (``deepinfer.runtime.ops.rotate_pairs``) widens the rope channels, makes them contiguous complex
 numbers, multiplies, narrows and concatenates: about five kernels per call, and a V4 attention layer makes four
 to six calls per step (queries, the new kv row, the output's inverse rotation, compressed entries, the indexer's
 queries). Here one program per (token, head) copies the row and rotates its trailing pairs in fp32.

@@ -1,6 +1,6 @@
 """MoE routing in two Triton launches: the router's logits, then each token's scores, experts and weights.
 
-The torch reference (``deepinfer.core.ops.route_tokens``) is 12 kernels per layer at decode on an H200: x's cast to
+The torch reference (``deepinfer.runtime.ops.route_tokens``) is 12 kernels per layer at decode on an H200: x's cast to
 fp32, cuBLAS's GEMV, the score function's element-wise ops, a sort-based top-k, a gather and the normalisation;
 25 us of device time at batch 1 inside a CUDA graph, against 6 us here (V4-Flash's router, E=256, H=4096).
 

@@ -1,4 +1,4 @@
-"""A padded decode step's cache slots in one launch per cache kind group (``deepinfer.core.slots.padded_slots`` is
+"""A padded decode step's cache slots in one launch per cache kind group (``deepinfer.runtime.slots.padded_slots`` is
 the reference).
 
 Replayed from a CUDA graph, the reference's integer arithmetic is ~25 kernels per compression ratio plus ~10 for
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.core.slots import PaddedSlots, SlotLayout
+from deepinfer.runtime.slots import PaddedSlots, SlotLayout
 
 BLOCK_CANDIDATES = 256
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
-from deepinfer.core.linear import Linear, SharedInput
+from deepinfer.runner.forward_batch import CompressedMeta, ForwardBatch
+from deepinfer.runtime.linear import Linear, SharedInput
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
 from deepinfer.plugins.interfaces import AttentionBackend
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.core.quantization import weight_block_size
+from deepinfer.runtime.quantization import weight_block_size
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.core.ops import rms_norm
+from deepinfer.runtime.ops import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +40,7 @@ def unit_phases(positions: torch.Tensor, freqs: torch.Tensor, ones: torch.Tensor
 
 class Rotary:
     """Interleaved (GPT-J) RoPE on the trailing ``rope_dim`` channels of each head, applied by the attention backend
-    (``AttentionBackend.rotate``; ``deepinfer.core.ops.rotate_pairs`` is the reference)."""
+    (``AttentionBackend.rotate``; ``deepinfer.runtime.ops.rotate_pairs`` is the reference)."""
 
     def __init__(self, inv_freq: torch.Tensor, backend):
         self.inv_freq = inv_freq.float()

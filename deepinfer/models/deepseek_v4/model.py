@@ -7,9 +7,9 @@ import re
 import torch
 from torch import nn
 
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
-from deepinfer.core.linear import cast_floating
+from deepinfer.runner.forward_batch import ForwardBatch
+from deepinfer.runtime.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
+from deepinfer.runtime.linear import cast_floating
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, inv_freq
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary

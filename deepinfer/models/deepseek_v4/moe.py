@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.core.linear import ExpertStack, Linear, SharedInput
+from deepinfer.runtime.linear import ExpertStack, Linear, SharedInput
 from deepinfer.plugins.interfaces import ExpertWeights, MoEBackend, RouterWeights
 
 

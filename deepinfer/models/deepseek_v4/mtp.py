@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.core.linear import Linear
+from deepinfer.runtime.linear import Linear
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
 from deepinfer.models.deepseek_v4.mhc import HyperHead

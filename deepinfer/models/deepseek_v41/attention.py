@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.core.forward_batch import CompressedMeta, ForwardBatch
-from deepinfer.core.linear import Linear, SharedInput
+from deepinfer.runner.forward_batch import CompressedMeta, ForwardBatch
+from deepinfer.runtime.linear import Linear, SharedInput
 from deepinfer.models.deepseek_v4.attention import grouped_output
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v41.layers import ComplexRotary
-from deepinfer.core.ops import descending_order, select_topk
+from deepinfer.runtime.ops import descending_order, select_topk
 from deepinfer.plugins.interfaces import AttentionBackend
 
 

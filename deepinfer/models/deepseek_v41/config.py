@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.core.quantization import weight_block_size
+from deepinfer.runtime.quantization import weight_block_size
 
 from deepinfer.models.deepseek_v4.config import YarnConfig, _dtype, _number, _required, _rope_head_dim, _rope_setup
 

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from deepinfer.core.linear import Linear
+from deepinfer.runtime.linear import Linear
 
 
 def normalised_vocabulary(tokenizer) -> tuple[list[int], int]:

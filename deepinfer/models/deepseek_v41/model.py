@@ -23,10 +23,10 @@ import re
 import torch
 from torch import nn
 
-from deepinfer.core.forward_batch import ForwardBatch
-from deepinfer.core.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
-from deepinfer.core.linear import cast_floating
-from deepinfer.core.step_inputs import scatter_rows
+from deepinfer.runner.forward_batch import ForwardBatch
+from deepinfer.runtime.kv_cache import CacheKind, KVCache, Pool, compressor_state_kind, sliding_kind
+from deepinfer.runtime.linear import cast_floating
+from deepinfer.runner.step_inputs import scatter_rows
 from deepinfer.logger import init_logger
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v4.moe import MoE

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core import fp8_kv
-from deepinfer.core.cache_formats import round_to_format
-from deepinfer.core.ops import compress_pool, compressor_rows, rms_norm, rotate_pairs, select_topk
-from deepinfer.core.slots import padded_slots
+from deepinfer.runtime import fp8_kv
+from deepinfer.runtime.cache_formats import round_to_format
+from deepinfer.runtime.ops import compress_pool, compressor_rows, rms_norm, rotate_pairs, select_topk
+from deepinfer.runtime.slots import padded_slots
 from deepinfer.plugins.hookspecs import hookimpl
 
 # Queries per chunk are chosen so one chunk's gathered keys stay near this many elements.

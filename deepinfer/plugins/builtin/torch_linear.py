@@ -3,8 +3,8 @@ from a narrower head, upcast a slab of rows at a time (``fp32_logits``)."""
 
 from __future__ import annotations
 
-from deepinfer.core.ops import fp32_logits
-from deepinfer.core.quantization import blockwise_linear
+from deepinfer.runtime.ops import fp32_logits
+from deepinfer.runtime.quantization import blockwise_linear
 from deepinfer.plugins.hookspecs import hookimpl
 
 

@@ -1,9 +1,9 @@
 """Reference hyper-connections: the logits' projection, sigmoids and a Sinkhorn loop of small torch ops, the
-streams' collapse and expansion (``core.ops``)."""
+streams' collapse and expansion (``runtime.ops``)."""
 
 from __future__ import annotations
 
-from deepinfer.core.ops import mhc_coefficients, mhc_collapse, mhc_expand, mhc_logits
+from deepinfer.runtime.ops import mhc_coefficients, mhc_collapse, mhc_expand, mhc_logits
 from deepinfer.plugins.hookspecs import hookimpl
 
 

@@ -1,10 +1,10 @@
-"""Reference MoE backend: routing as ``core.ops.route_tokens``; loops over the experts that received tokens."""
+"""Reference MoE backend: routing as ``runtime.ops.route_tokens``; loops over the experts that received tokens."""
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.core.ops import project, route_tokens, swiglu
+from deepinfer.runtime.ops import project, route_tokens, swiglu
 from deepinfer.plugins.hookspecs import hookimpl
 
 

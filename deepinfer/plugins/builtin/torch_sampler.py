@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.core.transfer import to_device
+from deepinfer.runtime.transfer import to_device
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer.plugins.interfaces import SamplerOutput, SamplingBatch
 

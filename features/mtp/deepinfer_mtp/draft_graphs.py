@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.core.cuda_graphs import capture_graph
+from deepinfer.runner.cuda_graphs import capture_graph
 from deepinfer.logger import init_logger
 
 logger = init_logger(__name__)

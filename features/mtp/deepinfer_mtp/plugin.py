@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.core.linear import cast_floating
-from deepinfer.core.model_source import resolve_model_dir
+from deepinfer.runtime.linear import cast_floating
+from deepinfer.loading.model_source import resolve_model_dir
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v4.model import keeps_fp32 as v4_keeps_fp32

@@ -17,7 +17,7 @@ from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer_structured_outputs.ebnf import to_xgrammar
 
 # Keywords xgrammar 0.2 compiles but does not enforce, with why: found by probing each with a violating instance
-# the matcher accepts (tests/test_structured_outputs.py) and by tools/json_schema_suite.py (the
+# the matcher accepts (tests/test_structured_outputs.py) and by tools/validation/json_schema_suite.py (the
 # JSON-Schema-Test-Suite's schemas, outputs validated with jsonschema)
 UNENFORCED = {
     "not": "a negated schema is not matched",

@@ -24,7 +24,7 @@ class FusedNormAttention(TorchAttention):
         self.norm_calls = 0
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        # the protocol's contract (deepinfer.core.ops.rms_norm): fp32 arithmetic, the result in x's dtype
+        # the protocol's contract (deepinfer.runtime.ops.rms_norm): fp32 arithmetic, the result in x's dtype
         self.norm_calls += 1
         return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
 

@@ -1,0 +1,110 @@
+"""``deepinfer bench speculative``: decode speed with and without speculative decoding, and what was accepted.
+
+Text prompts (drafts are only worth measuring on text a model can predict; random ids would accept nothing):
+the built-in Python snippets, or one prompt per line of ``--prompts-file``, cycled to ``--batch-size``. Each
+batch size runs three times on the same prompts, greedy, after a warm-up of each: without drafts
+(``enable_mtp_varlen=None``), then with the installed drafter (e.g. features/mtp's DSpark) verifying every draft
+(``False``, fixed length) and with confidence-scheduled lengths (``True``). Reports decode tokens/s of each, the
+speed-ups, vLLM's acceptance counters, and whether the runs generated the same tokens. A fourth run, fixed length
+with ``async_scheduling=False``, is the peer of speculative steps that overlap the host
+(``engine/overlapped_speculation.py``): the same verification, each step waiting for the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from deepinfer.bench.throughput import _add_common, _release, _synchronize, build_llm
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():",
+    'class Stack:\n    """A last-in, first-out container."""\n\n    def __init__(self):',
+    "for i in range(10):\n    if i % 2 == 0:",
+    "def read_lines(path):\n    with open(path) as f:",
+    '"""Return the',
+    "try:\n    import json\nexcept ImportError:",
+    "def __repr__(self):\n        return",
+]
+
+
+# mode -> (enable_mtp_varlen, async_scheduling); the last is the peer of overlapped speculative steps: the same
+# fixed-length verification, each step waiting for the host
+MODES = {"without_drafts": (None, True), "fixed_length": (False, True), "confidence_scheduled": (True, True),
+         "fixed_length_synchronous": (False, False)}
+
+
+def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous: bool) -> dict:
+    from deepinfer import SamplingParams
+
+    speculative = varlen is not None
+    llm = build_llm(args, max_num_seqs=max(batch, 1), enable_mtp_varlen=varlen, async_scheduling=asynchronous)
+    if speculative and llm.engine.speculator is None:
+        raise SystemExit(f"no drafter serves this model with enable_mtp_varlen={varlen} (is features/mtp "
+                         "installed?)")
+    overlap = llm.engine.overlap
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    # warm-up as long as the timed run: kernels are tuned per shape, and shapes follow the context as it grows
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.speculator.stats if speculative else None
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) if stats else None
+    overlapped_before = overlap.launches["following"] if overlap is not None else 0
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    _synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    _synchronize()
+    prefill = time.perf_counter() - start
+    llm.engine.step_metrics.reset()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _synchronize()
+    elapsed = time.perf_counter() - start
+    metrics = llm.engine.step_metrics
+    result = {"decode_tokens_per_second": batch * (args.output_len - 1) / max(elapsed - prefill, 1e-9),
+              "steps": metrics.steps, "per_step_ms": {k: round(v, 3) for k, v in metrics.per_step_ms().items()},
+              "token_ids": [o.outputs[0].token_ids for o in outputs],
+              # verification steps launched before the host had the previous one's result
+              "overlapped_steps": (overlap.launches["following"] - overlapped_before) if overlap is not None else 0}
+    if stats is not None:
+        drafts, draft_tokens, accepted = (now - then for now, then in zip(
+            (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
+        per_request = [o.metrics.accepted_per_position for o in outputs]
+        positions = max(map(len, per_request), default=0)
+        result.update(drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
+                      mean_acceptance_length=1 + accepted / drafts if drafts else None,
+                      acceptance_rate_by_position=[
+                          sum(p[i] for p in per_request if i < len(p)) / max(drafts, 1) for i in range(positions)])
+    del llm
+    _release()
+    return result
+
+
+def run(args, vocab: int) -> dict:
+    if args.compare_hf or args.load_format == "dummy":
+        raise SystemExit("bench speculative compares DeepInfer with itself on real weights: --compare-hf and "
+                         "--load-format dummy do not apply")
+    texts = PROMPTS
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            texts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+    results = {}
+    for batch in args.batch_sizes:
+        prompts = [texts[i % len(texts)] for i in range(batch)]
+        runs = {name: _run(args, batch, prompts, *mode) for name, mode in MODES.items()}
+        tokens = [run.pop("token_ids") for run in runs.values()]
+        plain = runs["without_drafts"]["decode_tokens_per_second"]
+        results[f"batch_{batch}"] = {
+            **runs, "same_tokens": all(t == tokens[0] for t in tokens),
+            "speedup": {name: run["decode_tokens_per_second"] / plain for name, run in runs.items()
+                        if name != "without_drafts"}}
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompts-file", help="one prompt per line (\\n escapes become newlines)")
+    parser.set_defaults(run=run)

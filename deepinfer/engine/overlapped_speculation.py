@@ -1,0 +1,298 @@
+"""Speculative decoding with asynchronous scheduling: a verification step is launched before the host has the
+previous one's result.
+
+A step's outcome stays on the device: the verifier samples every row, counts each request's accepted drafts
+(``accepted_on_device``) and the drafter drafts from the new last token (``Drafter.propose_on_device``), all
+queued behind the forward pass. The host copies of those results are read one step later. Meanwhile the next step
+is scheduled as if every draft had been accepted: at ``start + rows`` with blocks reserved up to there, and inputs
+the device then corrects before the forward pass reads them. Its positions become ``start + accepted + 1``, its
+tokens the previous step's last sampled token and drafts, and (V4.1's Engram) its token history is taken from the
+previous step's rows. The sampler's output positions (``seq_seed`` noise) get the same offset. Everything else a
+step reads is derived from those positions on the device (``ForwardBatchBuilder.derive``), so a step that follows
+a step with rejected drafts computes the same rows as if the host had waited.
+
+Where the engine replays CUDA graphs, the step's tail (the vocabulary projection of every row, sampling,
+acceptance, the drafter's store and pass, the next step's lengths: ``_tail``) is captured in the same graph as its
+forward pass (``DecodeGraphs.with_tail``): a step costs the host a handful of small corrections and one replay,
+instead of the hundred-odd launches of those pieces, which on a small model took longer than the device's step.
+The tail reads its per-request values (sampling parameters, the drafter's slots, ends) from the step's staged
+inputs, so one graph serves every batch with the same sampling flags.
+
+A following step is launched only in the steady state, where nothing about it depends on the unknown count: the
+same requests as the step before (none added), each with room for a full step whatever was accepted, every step
+padded to ``1 + max_drafts`` rows per request (the CUDA graphs' shape), none needing its tokens on the host
+(grammars, penalties, host-side Engram tables). Otherwise the host first resolves the step in flight, and the
+next step is scheduled as usual and runs as a synchronous verification step (``steps.SpeculativeSteps``): the
+first step of a steady run (from the host's drafts) is again launched here when it qualifies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.runner.cuda_graphs import StepTail
+from deepinfer.engine.output_processor import host_lists
+from deepinfer.runtime.request import Request
+from deepinfer.runtime.scheduled import ScheduledBatch
+from deepinfer.runner.sampling_batch import SamplingFlags, device_sampling_batch, sample_seed
+from deepinfer.engine.speculation import accepted_on_device, survival_floor, verified_lengths_on_device
+from deepinfer.engine.steps import SpeculativeSteps, StepContext
+from deepinfer.runtime.transfer import to_device, to_host
+from deepinfer.plugins.interfaces import SamplerOutput
+
+
+_VERIFIED = 3  # the row of the tail's integer inputs (``_tail_inputs``) with each request's drafts verified
+
+
+class _Outcome:
+    """What a verification step leaves on the device, per request, side by side in one tensor [B, 2 * rows + 2]
+    (one copy to the host): the token sampled at each row, the next step's drafts (zero padded), the drafts
+    accepted, the drafts that counted (the rest of the rows were padding), how many of the next drafts the next
+    step verifies."""
+
+    __slots__ = ("packed", "rows")
+
+    def __init__(self, packed: torch.Tensor, rows: int):
+        self.packed, self.rows = packed, rows
+
+    @staticmethod
+    def pack(sampled, drafts, accepted, verified, lengths) -> torch.Tensor:
+        return torch.cat([sampled, drafts, torch.stack([accepted, verified, lengths], 1)], 1)
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        return self.packed[:, :self.rows]
+
+    @property
+    def drafts(self) -> torch.Tensor:
+        return self.packed[:, self.rows:2 * self.rows - 1]
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self.packed[:, 2 * self.rows - 1]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.packed[:, 2 * self.rows + 1]
+
+    @staticmethod
+    def unpack(row: list[int], rows: int) -> tuple[list[int], list[int], int, int, int]:
+        """One request's row of ``packed`` on the host: sampled tokens, drafts, accepted, verified, lengths."""
+        return row[:rows], row[rows:2 * rows - 1], *row[2 * rows - 1:]
+
+
+@dataclass(slots=True)
+class SpeculativeInFlight:
+    batch: ScheduledBatch
+    positions: torch.Tensor  # [B] on the device: each request's first position in the step
+    history: torch.Tensor | None  # [B, h + rows] token ids from ``h`` positions before the first row (Engram)
+    outcome: _Outcome  # on the device (a CUDA graph's output: read before the graph's next replay rewrites it)
+    host: torch.Tensor  # ``outcome.packed`` in host memory, complete once ``ready`` is
+    logprobs: SamplerOutput  # host copies of the sampler's logprob outputs per row (None where none was asked)
+    started: torch.cuda.Event | None
+    ready: torch.cuda.Event | None
+
+    def wait(self, clock) -> tuple[list[list[int]], SamplerOutput]:
+        clock.wait(self.started, self.ready)
+        self.ready = None
+        return self.host.tolist(), self.logprobs
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.batch.requests
+
+
+class OverlappedSpeculation:
+    """A step mode (``engine/steps.py``): steady runs of verification steps stay on the device; every other step
+    is one of ``synchronous``'s."""
+
+    def __init__(self, context: StepContext, synchronous: SpeculativeSteps, max_model_len: int):
+        self.context, self.synchronous = context, synchronous
+        self.runner = context.runner
+        self.speculator = synchronous.speculator
+        self.max_model_len = max_model_len
+        self.rows = 1 + self.speculator.max_drafts
+        self.inflight: SpeculativeInFlight | None = None
+        self.launches = Counter()  # "first" of a steady run, "following" a step in flight
+
+    @property
+    def in_flight(self) -> bool:
+        return self.inflight is not None
+
+    def step(self) -> list[Request]:
+        context, previous = self.context, self.inflight
+        if previous is not None:
+            scheduled = self._schedule_after(previous)
+            context.clock.lap("schedule")
+            if scheduled is not None:
+                self.inflight = self._launch(scheduled, previous)
+                return self._resolve(previous)
+            finished = self._resolve(previous)
+            self.inflight = None
+        else:
+            finished = []
+        scheduled = context.schedule()
+        if scheduled and self._can_launch(scheduled):
+            self.inflight = self._launch(scheduled, None)
+            return finished
+        return finished + self.synchronous.run(scheduled)
+
+    # -- which steps ------------------------------------------------------------------------------
+    def _device_ready(self, request: Request) -> bool:
+        """Nothing of its next steps needs the host: no grammar, no penalties, ``min_tokens`` met."""
+        p = request.params
+        return (request.grammar is None and not (p.presence_penalty or p.frequency_penalty)
+                and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
+
+    def _can_launch(self, scheduled: ScheduledBatch) -> bool:
+        """The first step of a steady run: a verification step of decoding requests only, from the host's drafts."""
+        return (self.runner.replays(scheduled) and not self.runner.model.needs_host_tokens
+                and all(self._device_ready(r) for r in scheduled.requests))
+
+    def _schedule_after(self, previous: SpeculativeInFlight) -> ScheduledBatch | None:
+        """The next step of a steady run (``Scheduler.schedule_ahead``); None where the host must first see
+        ``previous``'s result."""
+        requests = [r for r in previous.requests if not r.finished]
+        if len(requests) > self.runner.graphs.sizes[-1] or not all(self._device_ready(r) for r in requests):
+            return None
+        return self.context.scheduler.schedule_ahead(requests, self.rows)
+
+    # -- the device's side ------------------------------------------------------------------------
+    def _launch(self, scheduled: ScheduledBatch, previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
+        rows, clock, runner = self.rows, self.context.clock, self.runner
+        device, count = runner.device, len(scheduled)
+        requests = scheduled.requests
+        self.context.count_step()
+        self.launches["following" if previous is not None else "first"] += 1
+        if previous is not None:
+            index = {id(r): i for i, r in enumerate(previous.requests)}
+            source = to_device(torch.tensor([index[id(r)] for r in requests], dtype=torch.int64), device)
+            accepted = previous.outcome.accepted[source]
+            positions = previous.positions[source] + accepted + 1
+        else:
+            source = None
+            positions = to_device(torch.tensor([row.start for row in scheduled], dtype=torch.int64), device)
+        flags = SamplingFlags.of([r.params for r in requests], runner.vocab_size)
+        tail = StepTail(lambda logits, inputs: self._tail(logits, inputs, flags),
+                        self._tail_inputs(requests, previous is None), ("verification", flags))
+        step = {}
+
+        def complete(inputs):  # the inputs are where the forward pass reads them: correct them, time from here
+            clock.lap("prepare")
+            tokens = inputs.token_ids.view(-1, rows)[:count]
+            if previous is not None:
+                inputs.positions.view(-1, rows)[:count] = positions.unsqueeze(1) + torch.arange(rows, device=device)
+                outcome = previous.outcome
+                last = outcome.sampled[source].gather(1, accepted.unsqueeze(1))
+                tokens.copy_(torch.cat([last, outcome.drafts[source]], dim=1))
+                inputs.tail["ints"][_VERIFIED, :count] = outcome.lengths[source]
+            step["history"] = self._history(inputs, previous, source, tokens)
+            step["started"] = clock.event()
+
+        packed, *logprobs = runner.forward_with_tail(scheduled, tail, complete, values_on_device=previous is not None)
+        outcome = _Outcome(packed[:count], rows)
+        logprobs = SamplerOutput(None, *(None if t is None else to_host(t[:count * rows]) for t in logprobs))
+        clock.lap("forward")
+        return SpeculativeInFlight(scheduled, positions, step["history"], outcome, to_host(outcome.packed),
+                                   logprobs, step["started"], clock.event())
+
+    def _tail_inputs(self, requests: list[Request], first: bool) -> dict[str, torch.Tensor]:
+        """What the step's tail reads per request (``_tail``), padded to the graph's batch: sampling parameters,
+        the survival floor, prompt lengths (to number the output positions), the drafts verified (a following
+        step's come from the device), the drafter's slots and where each request must end."""
+        s = self.speculator
+        params = [r.params for r in requests]
+        pad = self.runner.graphs.padded_requests(len(requests)) - len(requests)
+
+        def padded(values: list, fill) -> list:  # the graph's padding requests: greedy, unseeded, nothing to verify
+            return values + [fill] * pad
+
+        floor = (survival_floor(len(requests), s.max_drafts, s.max_num_batched_tokens) if s.confidence_scheduling
+                 else 0.0)
+        floats = [padded([p.temperature for p in params], 0.0), padded([p.top_p for p in params], 1.0),
+                  padded([p.min_p for p in params], 0.0), padded([floor] * len(requests), floor)]
+        ends = [min(p.max_tokens + len(r.prompt_token_ids), self.max_model_len) for p, r in zip(params, requests)]
+        ints = [padded([max(p.top_k, 0) for p in params], 0), padded([sample_seed(r) for r in requests], -1),
+                padded([len(r.prompt_token_ids) for r in requests], 0),
+                padded([r.num_drafts if first else 0 for r in requests], 0),
+                padded(s.drafter.device_slots(requests), -1), padded(ends, 0)]
+        return {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
+                "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}
+
+    def _tail(self, logits: torch.Tensor, inputs, flags: SamplingFlags) -> tuple[torch.Tensor | None, ...]:
+        """After the forward pass, on the device for every (padded) request: sample every row, count the accepted
+        drafts, let the drafter store the kept rows and draft from the new last token, size the next step's
+        verification. Returns ``_Outcome.pack``'s tensor and the sampler's logprob outputs."""
+        rows, s = self.rows, self.speculator
+        temperature, top_p, min_p, floor = inputs.tail["floats"]
+        top_k, seeds, prompt_lengths, verified, slots, ends = inputs.tail["ints"]
+        tokens, positions = inputs.token_ids.view(-1, rows), inputs.positions.view(-1, rows)
+
+        def each_row(t):
+            return t.unsqueeze(1).expand(-1, rows).flatten()
+
+        # a row at position p samples output position p + 1 - the prompt's length
+        sampling = device_sampling_batch(each_row(temperature), each_row(top_k), each_row(top_p), each_row(min_p),
+                                         each_row(seeds), (positions + 1 - prompt_lengths.unsqueeze(1)).flatten(),
+                                         flags)
+        sampler_output = self.runner.sampler.sample(logits, sampling)
+        sampled = sampler_output.token_ids.view(-1, rows)
+        accepted = accepted_on_device(tokens[:, 1:], sampled, verified)
+        first, kept = positions[:, 0], accepted + 1
+        drafts, confidence = s.drafter.propose_on_device(slots, first, rows, kept, sampled)
+        # ``Speculator._room``: never past max_tokens or max_model_len, counted from the new last token
+        room = (ends - (first + kept) - 2).clamp_min(0)
+        lengths = torch.minimum(verified_lengths_on_device(drafts, confidence, s.max_drafts,
+                                                           floor if s.confidence_scheduling else None), room)
+        width = rows - 1
+        drafts = torch.nn.functional.pad(drafts[:, :width], (0, max(0, width - drafts.shape[1])))
+        return (_Outcome.pack(sampled, drafts, accepted, verified, lengths), sampler_output.logprobs,
+                sampler_output.top_logprob_ids, sampler_output.top_logprobs)
+
+    def _history(self, inputs, previous, source, tokens) -> torch.Tensor | None:
+        """Engram's token history: each request's ``h`` ids before its first row, then its rows' ids; for a
+        following step, taken from the previous step's at the new first position, and written into its inputs."""
+        history = inputs.extras.get("engram_history")
+        if history is None:
+            return None
+        h, rows, count = history.shape[1], self.rows, tokens.shape[0]
+        per_row = history.view(-1, rows, h)[:count]
+        if previous is None:
+            return torch.cat([per_row[:, 0], tokens], dim=1)
+        before = previous.history[source]  # position p of the previous step sits at column h + p - its start
+        first = previous.outcome.accepted[source] + 1  # the new first position, as a column less h
+        ids = torch.cat([before.gather(1, first.unsqueeze(1) + torch.arange(h, device=tokens.device)), tokens], 1)
+        per_row.copy_(ids.unfold(1, h, 1)[:, :rows])
+        return ids
+
+    # -- the host's side --------------------------------------------------------------------------
+    def _resolve(self, inflight: SpeculativeInFlight) -> list[Request]:
+        """Books ``inflight``'s result as the engine's synchronous verification would: stats, tokens and stops,
+        progress, and each request's drafts for its next step."""
+        context = self.context
+        packed, logprobs = inflight.wait(context.clock)
+        rows = [_Outcome.unpack(row, self.rows) for row in packed]
+        sampled = host_lists(logprobs)
+        sampled["token_ids"] = [token for row in rows for token in row[0]]
+        now, finished, kept = time.monotonic(), [], {}
+        for i, (request, (_, drafts, accepted, verified, length)) in enumerate(zip(inflight.requests, rows)):
+            if request.finished:  # found finished by the step before, while this one was in flight
+                continue
+            if verified:
+                self.speculator.stats.record(request, verified, accepted)
+            request.drop_drafts()
+            first = i * self.rows
+            kept[request] = accepted
+            if context.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
+                finished.append(request)
+                continue
+            request.set_drafts(drafts[:length])
+        context.scheduler.update(inflight.batch, kept, finished)
+        context.count_finished(finished)
+        context.clock.lap("outputs")
+        return finished

@@ -1,0 +1,162 @@
+"""Speculative decoding: drafts proposed after a step are verified by the next one, then accepted or rolled back.
+
+A request's drafts ride at the end of its ``token_ids`` (``Request.num_drafts``), so the scheduler, the batch
+builder and Engram's token history treat them as the tokens to compute; the step asks for logits at the last real
+token and at every draft. Verification then samples each of those rows exactly as decoding without drafts would
+sample that position: the same sampler, with the penalties, ``min_tokens`` blocking and ``seq_seed`` noise of the
+output position the row stands for. Draft ``j`` is accepted when it equals the token sampled at the row before it;
+the tokens emitted are the sampled ones up to and including the first that differs from its draft (or the one after
+the last draft: the bonus token). Every emitted token is thus the token non-speculative decoding would sample, given
+the same noise: greedy and ``seq_seed`` outputs are identical with speculation on and off, and unseeded outputs have
+the same distribution. (This is verification by coupling rather than by Leviathan et al.'s accept/reject ratio; at
+temperature > 0 it accepts less often unless the drafter draws its tokens from the same noise.)
+
+Rolling back a rejected draft needs no cache edits: every cache row is addressed by position, so the rows computed
+for rejected positions are overwritten when those positions are computed again, and ``num_computed`` stops before
+them (a compression window that closed on a rejected token closes again, on the right one, before anything reads
+its entry). Prefix caching publishes blocks only up to ``num_computed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.runner.grammar_masks import allowed_drafts
+from deepinfer.runtime.request import Request
+from deepinfer.logger import init_logger
+from deepinfer.plugins.interfaces import ComputedRows, Draft, Drafter
+
+logger = init_logger(__name__)
+
+# the prefix-survival floor of confidence scheduling: a lightly loaded step verifies every draft whose estimated
+# chance of being reached and accepted is at least this; the floor rises with the step's load (``survival_floor``)
+MIN_SURVIVAL = 0.1
+MAX_SURVIVAL = 0.9
+
+
+def survival_floor(decoding: int, max_drafts: int, max_num_batched_tokens: int) -> float:
+    """Confidence scheduling's cut-off for a step of ``decoding`` requests. A decode step that verifies few tokens
+    costs what reading the weights costs, so extra rows are nearly free and even unlikely drafts pay; as the rows
+    the step would verify approach its token budget (compute-bound), only likely ones do."""
+    load = decoding * (1 + max_drafts) / max_num_batched_tokens
+    return min(MAX_SURVIVAL, max(MIN_SURVIVAL, load))
+
+
+def verified_length(draft: Draft, limit: int, floor: float | None) -> int:
+    """How many of ``draft``'s tokens to verify: at most ``limit``; with a ``floor`` (confidence scheduling), the
+    longest prefix whose survival (the product of its confidences) stays at or above it."""
+    length = min(limit, len(draft.token_ids))
+    if floor is None or draft.confidence is None:
+        return length
+    survival = 1.0
+    for position, confidence in enumerate(draft.confidence[:length]):
+        survival *= confidence
+        if survival < floor:
+            return position
+    return length
+
+
+def accepted_count(drafts: list[int], sampled: list[int]) -> int:
+    """Leading drafts equal to the token sampled at the row before each (``sampled`` has one more row)."""
+    count = 0
+    while count < len(drafts) and drafts[count] == sampled[count]:
+        count += 1
+    return count
+
+
+def accepted_on_device(drafts: torch.Tensor, sampled: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """``accepted_count`` per request, without the host: ``drafts`` [B, k] against ``sampled`` [B, k + 1], only the
+    first ``limits`` [B] drafts counting (the rest are padding or beyond what was verified)."""
+    k = drafts.shape[1]
+    match = (drafts == sampled[:, :k]) & (torch.arange(k, device=drafts.device) < limits.unsqueeze(1))
+    return match.long().cumprod(dim=1).sum(dim=1)
+
+
+def verified_lengths_on_device(tokens: torch.Tensor, confidence: torch.Tensor | None, limit: int,
+                               floor: float | torch.Tensor | None) -> torch.Tensor:
+    """``verified_length`` per request, without the host: [B] for drafts ``tokens`` [B, D] and their
+    ``confidence`` [B, D] (None: no estimates). Survival never grows along a draft, so the prefix kept is the
+    positions whose survival stays at or above ``floor`` (a number, or one per request [B])."""
+    length = min(limit, tokens.shape[1])
+    if floor is None or confidence is None:
+        return torch.full((tokens.shape[0],), length, dtype=torch.int64, device=tokens.device)
+    survival = confidence[:, :length].float().cumprod(dim=1)
+    if isinstance(floor, torch.Tensor):
+        floor = floor.unsqueeze(1)
+    return (survival >= floor).long().sum(dim=1)
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Engine-wide counters, as vLLM reports them."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, request: Request, drafted: int, accepted: int) -> None:
+        for stats in (self, request.metrics):
+            stats.num_drafts += 1
+            stats.num_draft_tokens += drafted
+            stats.num_accepted_tokens += accepted
+            per_position = stats.accepted_per_position
+            per_position.extend([0] * (drafted - len(per_position)))
+            for position in range(accepted):
+                per_position[position] += 1
+
+    def summary(self) -> str:
+        if not self.num_drafts:
+            return "speculative decoding: no drafts verified"
+        rates = ", ".join(f"{count / self.num_drafts:.3f}" for count in self.accepted_per_position)
+        return (f"speculative decoding since the engine started: {self.num_drafts} drafts, {self.num_draft_tokens} draft tokens, "
+                f"{self.num_accepted_tokens} accepted; mean acceptance length "
+                f"{1 + self.num_accepted_tokens / self.num_drafts:.3f}; acceptance rate by position [{rates}]")
+
+
+class Speculator:
+    """Asks the drafter for the requests that decode next and sizes what the next step verifies."""
+
+    def __init__(self, drafter: Drafter, max_drafts: int, confidence_scheduling: bool, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.drafter = drafter
+        self.max_drafts = max_drafts
+        self.confidence_scheduling = confidence_scheduling
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpeculationStats()
+
+    def draft(self, running: list[Request], computed: list[ComputedRows]) -> None:
+        decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0]
+        if not decoding and not computed:
+            return
+        # asked even when no request decodes next (a chunk of a long prefill): the drafter keeps what was computed
+        drafts = self.drafter.propose(decoding, computed)
+        if len(drafts) != len(decoding):
+            raise RuntimeError(f"drafter {self.drafter.name} returned {len(drafts)} drafts for {len(decoding)} requests")
+        floor = (survival_floor(len(decoding), self.max_drafts, self.max_num_batched_tokens)
+                 if self.confidence_scheduling else None)
+        for request, draft in zip(decoding, drafts):
+            length = verified_length(draft, min(self.max_drafts, self._room(request)), floor)
+            if request.grammar is not None:  # structured outputs: only drafts the grammar allows are verified
+                length = allowed_drafts(request.grammar, draft.token_ids[:length])
+            request.set_drafts(list(draft.token_ids[:length]))
+
+    def _room(self, request: Request) -> int:
+        """Drafts worth verifying: a step emits at most one token more than it verifies, and never past
+        ``max_tokens`` or ``max_model_len``."""
+        left = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - len(request.token_ids))
+        return max(0, left - 1)
+
+    @staticmethod
+    def rows(requests: list[Request]) -> list[tuple[Request, int]]:
+        """The sampled rows of a step, in logits order: each request's last real token, then each draft."""
+        return [(r, j) for r in requests for j in range(r.num_drafts + 1)]
+
+
+def log_summary(speculator: Speculator | None) -> None:
+    if speculator is not None and speculator.stats.num_drafts:
+        logger.info(speculator.stats.summary())
+

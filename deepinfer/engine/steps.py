@@ -1,0 +1,173 @@
+"""How the engine runs a step: one ``StepMode`` per way of running, each over the same ``StepContext``.
+
+A mode schedules a step (``Scheduler``), runs it (``ModelRunner``), hands the sampled tokens to the outputs and
+books the step (``Scheduler.update``). ``DecodeSteps`` samples one token per request, waiting for it or, with
+asynchronous scheduling, launching the next step first (``engine/inflight.py``). ``SpeculativeSteps`` verifies
+drafts and drafts again after every step (``engine/speculation.py``). ``OverlappedSpeculation``
+(``engine/overlapped_speculation.py``) keeps verification on the device in steady decoding, and runs every other
+step as ``SpeculativeSteps`` does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from deepinfer.engine.inflight import InFlight
+from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.engine.output_processor import OutputProcessor, host_lists
+from deepinfer.runtime.request import Request
+from deepinfer.runtime.scheduled import ScheduledBatch
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.speculation import Speculator, accepted_count
+from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every step mode works with."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    outputs: OutputProcessor
+    clock: StepClock
+    metrics: StepMetrics
+    totals: EngineTotals
+
+    def schedule(self) -> ScheduledBatch:
+        """The next step, its scheduling timed."""
+        scheduled = self.scheduler.schedule()
+        self.clock.lap("schedule")
+        return scheduled
+
+    def count_step(self) -> None:
+        self.metrics.steps += 1
+        self.totals.steps += 1
+
+    def finish(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.scheduler.finish(request)
+        self.count_finished(requests)
+
+    def count_finished(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.totals.finished_requests += 1
+            self.totals.generation_tokens += request.num_output_tokens
+            self.totals.cached_prompt_tokens += request.metrics.num_cached_tokens
+
+
+class StepMode(Protocol):
+    def step(self) -> list[Request]:
+        """Schedules and launches one step; returns the requests found finished in this call."""
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step is still to be resolved (its tokens booked)."""
+
+
+class DecodeSteps:
+    """One token per sampling request and step. ``asynchronous``: the host resolves the previous step's tokens
+    (detokenizing, stop checks) while the device runs this one, whose inputs take those tokens on the device, or
+    on the host first when a model or a sampling penalty needs their values; otherwise each step waits for its
+    own tokens."""
+
+    def __init__(self, context: StepContext, asynchronous: bool):
+        self.context, self.asynchronous = context, asynchronous
+        self.inflight: InFlight | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.inflight is not None
+
+    def step(self) -> list[Request]:
+        return self.run(self.context.schedule())
+
+    def run(self, scheduled: ScheduledBatch) -> list[Request]:
+        context = self.context
+        clock, runner = context.clock, context.runner
+        if not scheduled:
+            runner.idle()
+            return self.resolve() if self.inflight is not None else []
+        previous = self.inflight
+        tokens_on_host = previous is not None and runner.needs_host_tokens(scheduled)
+        if tokens_on_host:  # only the values: the outputs (detokenizing, stop checks) still overlap this step
+            previous.write_tokens(clock)
+        finished = []
+        context.count_step()
+        sampling_requests = scheduled.sampling
+        on_device = previous is not None and not tokens_on_host
+        forward = runner.forward(scheduled, (lambda token_ids: previous.fill(scheduled, token_ids)) if on_device
+                                 else None)
+        launched = None
+        if sampling_requests:
+            rows = [(r, 0) for r in sampling_requests]
+            if self.inflight is not None and any(r.grammar is not None for r in sampling_requests):
+                # a grammar's mask needs the previous token accepted: the previous step is resolved now, while
+                # the device runs this step's forward pass (a request it finishes has a row here, discarded later)
+                finished += self.resolve()
+            launched = InFlight.launch(sampling_requests, runner.sample(forward.logits, rows), forward.started,
+                                       clock)
+            clock.lap("sample")
+        if self.inflight is not None:  # the previous step's tokens, while the device runs this one
+            finished += self.resolve()
+        context.scheduler.update(scheduled)
+        self.inflight = launched
+        if launched is not None and not self.asynchronous:
+            finished += self.resolve()
+        return finished
+
+    def resolve(self) -> list[Request]:
+        """Waits for the step in flight's tokens and hands them to the outputs; returns the requests they end."""
+        context = self.context
+        inflight, self.inflight = self.inflight, None
+        host = inflight.wait(context.clock)
+        finished = context.outputs.resolve(inflight.requests, inflight.positions, host)
+        context.finish(finished)
+        context.clock.lap("outputs")
+        return finished
+
+
+class SpeculativeSteps:
+    """Speculative decoding's steps, each waiting for its own result (``engine/speculation.py``): samples every
+    verified row, keeps each request's accepted drafts and the token after them, books them, then drafts for the
+    next step."""
+
+    in_flight = False
+
+    def __init__(self, context: StepContext, speculator: Speculator):
+        self.context, self.speculator = context, speculator
+
+    def step(self) -> list[Request]:
+        return self.run(self.context.schedule())
+
+    def run(self, scheduled: ScheduledBatch) -> list[Request]:
+        context = self.context
+        if not scheduled:
+            context.runner.idle()
+            return []
+        context.count_step()
+        sampling_requests = scheduled.sampling
+        logits = context.runner.forward(scheduled).logits
+        finished, accepted = [], {}
+        if sampling_requests:
+            rows = self.speculator.rows(sampling_requests)
+            sampled = host_lists(context.runner.sample(logits, rows))
+            context.clock.lap("sample")
+            now, first = time.monotonic(), 0
+            for request in sampling_requests:
+                drafted = request.num_drafts
+                count = accepted_count(request.draft_token_ids, sampled["token_ids"][first:first + drafted + 1])
+                if drafted:
+                    self.speculator.stats.record(request, drafted, count)
+                request.drop_drafts()
+                accepted[request] = count
+                if context.outputs.extend(request, list(range(first, first + count + 1)), sampled, now):
+                    finished.append(request)
+                first += drafted + 1
+        kept = context.scheduler.update(scheduled, accepted, finished)
+        context.count_finished(finished)
+        context.clock.lap("outputs")
+        self.speculator.draft(context.scheduler.running, kept)
+        context.clock.lap("draft")
+        return finished

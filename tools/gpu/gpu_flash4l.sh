@@ -1,0 +1,281 @@
+#!/usr/bin/env bash
+# The NVIDIA backend on the lent H200: install with build.sh, kernel and CUDA-graph tests natively, flash4L benchmarks
+# against HF transformers and the measured roofline. One section per device call (each must stay < 10 min; a
+# session has 30 min of device time, and a fresh box spends minutes compiling Triton kernels in its first model run):
+#
+#   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
+#
+# Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
+# kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu/gpu_mxfp4.py; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
+# between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
+# HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
+# (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
+# tools/gpu/gpu_kernels.py --grouped; GROUPED_TESTS, GROUPED_FORMATS narrow them), v41prefill (the V4.1-Flash-shaped fixture's
+# prefill at V41_PREFILL_LENS tokens, 8192 and 512), prefill (tools/profiling/profile_prefill.py on flash4L at PREFILL_LENS
+# tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
+# spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
+# SPEC_BATCHES, SPEC_TIMEOUT), replay (SWA bounded
+# replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
+# TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
+# its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
+# saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
+# is there when the printed tail does not show it).
+#
+# What travels (the run tool's carry: [".wheels", ".kernels"]): `python3 tools/build/fetch_kernels.py` for .kernels, and
+# for .wheels the packages the box lacks, without dependencies (it has torch, numpy, pluggy and pytest):
+#   pip download --no-deps -d .wheels jsonschema jsonschema-specifications referencing lark pydantic==2.14.4 \
+#       typing-inspection annotated-types
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .wheels rpds-py xgrammar \
+#       pydantic-core==2.50.5 apache-tvm-ffi
+set -uo pipefail
+sections=",$1,"
+# the device tool returns a few files only: results go to one archive, repacked as each section starts
+top="${2:-${OUT:-/tmp/gpu-out}}"
+out="$top/results"
+mkdir -p "$out"
+has() { [[ "$sections" == *",$1,"* ]]; }
+pack() { tar czf "$top/results.tgz" -C "$out" . ; }
+stamp() { pack; echo "== $(date +%T) $*"; }
+# DeepGEMM compiles each GEMM shape with NVCC on first use (minutes on a fresh box) and Triton autotunes: both
+# caches live in .jit-cache, which comes back as jit-cache.tgz for the next call to carry
+export DG_JIT_CACHE_DIR="$PWD/.jit-cache/deep_gemm" TRITON_CACHE_DIR="$PWD/.jit-cache/triton"
+# a previous call's caches, carried back as one archive (the run tool carries 64 MiB; the unpacked caches are more)
+[[ -f .jit-cache/previous.tgz ]] && tar xzf .jit-cache/previous.tgz && echo "jit caches: $(du -sh .jit-cache | cut -f1) restored"
+
+if has install; then
+    stamp install
+    # the box is offline: pluggy and the test extra's and structured outputs' packages come along in .wheels
+    # (without their dependencies: pip does not see the box's torch as installed)
+    python3 -m pip install --quiet --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "root. user" | tail -2; python3 -c "import jsonschema, lark, xgrammar; print(\"test extra packages: ok\")"
+    # offline: no index, and the box's own setuptools instead of an isolated build environment; DeepSeek's kernels
+    # from .kernels when it came along (tools/build/fetch_kernels.py; the run tool's carry: [".wheels", ".kernels"])
+    PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tee "$out/install.txt" | tail -9
+fi
+if command -v deepinfer >/dev/null && python -c "import deepinfer_nvidia" 2>/dev/null; then
+    bench=(deepinfer bench)
+else  # build.sh failed: register the plugin by hand
+    export PYTHONPATH="$PWD:$PWD/backends/nvidia"
+    bench=(python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); from deepinfer.cli import main; main()" bench)
+    echo "build.sh did not install the plugin; registering it by hand"
+fi
+export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
+# a script run with the plugin registered by hand when build.sh did not install it (its entry point is missing)
+py=(python)
+[[ ${bench[0]} == python ]] && py=(python -c "import runpy, sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+if has tests; then
+    stamp tests
+    # TESTS narrows the list (a rerun of what failed)
+    timeout ${TESTS_TIMEOUT:-420} python -m pytest -q -x ${TESTS:-tests/test_nvidia_attention.py tests/test_nvidia_moe.py tests/test_cuda_graphs.py \
+        tests/test_nvidia_fp8_linear.py tests/test_nvidia_mhc.py tests/test_nvidia_deepseek_kernels.py \
+        tests/test_fp8_kv_cache.py tests/test_speculative_decoding.py tests/test_dspark.py} 2>&1 | tee "$out/tests.txt" | tail -15
+fi
+if has debug; then  # the FP8 cache read by Triton's attention faults in padded decode steps: where
+    stamp "debug fp8 graph fault"
+    CUDA_LAUNCH_BLOCKING=1 timeout 200 python -m pytest -q -x tests/test_fp8_kv_cache.py -k replay 2>&1 \
+        | grep -vE "^frame #|^\s*$" | tail -60 > "$out/debug_fp8.txt"
+    if command -v compute-sanitizer >/dev/null; then
+        timeout 300 compute-sanitizer --tool memcheck --print-limit 5 python -m pytest -q -x tests/test_fp8_kv_cache.py \
+            -k replay 2>&1 | head -120 > "$out/sanitizer_fp8.txt"
+    fi
+fi
+if has quicktests; then  # the tests of what changes most often
+    stamp quicktests
+    timeout 200 python -m pytest -q -x tests/test_nvidia_moe.py tests/test_nvidia_mhc.py tests/test_cuda_graphs.py 2>&1 \
+        | tee "$out/quicktests.txt" | tail -4
+fi
+
+if has roofline; then
+    stamp roofline
+    python - <<'PY' | tee "$out/roofline.json"
+import json, torch, triton.testing
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+copy_ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=20, rep=200)
+a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda"); b = torch.randn_like(a)
+mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=20, rep=200)
+print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps_read_plus_write": 2 * 2**30 / copy_ms / 1e6,
+                  "bf16_matmul_TFLOPS_8192": 2 * 8192**3 / mm_ms / 1e9}))
+PY
+fi
+
+if has kernels; then
+    stamp kernels
+    timeout 200 python tools/gpu/gpu_kernels.py 2>&1 | tee "$out/kernels.json" | tail -40
+    timeout 100 python tools/gpu/gpu_kernels.py --triton-fp8 2>&1 | tee "$out/kernels_triton_fp8.json" | tail -12
+    has glue || timeout 150 python tools/gpu/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
+fi
+if has logits; then  # V4.1's head: fp32 logits from bf16 weights against cuBLAS on an fp32 copy, and their tests
+    stamp logits
+    timeout 120 python -m pytest -q -x tests/test_nvidia_logits.py 2>&1 | tee "$out/tests_logits.txt" | tail -2
+    timeout 120 python tools/gpu/gpu_kernels.py --logits 2>&1 | tee "$out/kernels_logits.json" | tail -30
+fi
+if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then tools/gpu/gpu_fp8_linear.py (FP8_PEER: a module timed alongside)
+    stamp fp8
+    timeout 240 python -m pytest -q -x tests/test_nvidia_fp8_linear.py 2>&1 | tee "$out/tests_fp8.txt" | tail -3
+    PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu" timeout 300 python tools/gpu/gpu_fp8_linear.py ${FP8_PEER:+--peer $FP8_PEER} 2>&1 | grep -v INFO \
+        | tee "$out/fp8_linear.jsonl" | tail -1
+fi
+if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
+    stamp mxfp4
+    timeout ${TESTS_TIMEOUT:-240} python -m pytest -q -x tests/test_nvidia_moe_mxfp4.py tests/test_nvidia_moe.py \
+        tests/test_nvidia_moe_grouped.py 2>&1 | tee "$out/mxfp4_tests.txt" | tail -4
+    # the peers (humming-kernels, triton_kernels: tools/gpu/mxfp4_peers.py) come along in .peers (carried), never committed
+    [[ "${MXFP4_ARGS:-}" == *--peers* && -d .peers ]] && bash .peers/install.sh 2>&1 | tail -12
+    timeout ${MXFP4_TIMEOUT:-360} python tools/gpu/gpu_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -40
+fi
+if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton against DeepGEMM's masked GEMM per layer, then
+    # flash4Lfp8's replayed decode steps (FP8_KERNELS="auto triton" adds a run with Triton only; a fresh box compiles
+    # for minutes before the first replay: once, 200 s were not enough)
+    stamp fp8experts
+    timeout 300 python -m pytest -q tests/test_nvidia_moe_fp8.py tests/test_nvidia_moe.py 2>&1 \
+        | tee "$out/tests_fp8experts.txt" | tail -3
+    PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu" timeout 200 python tools/gpu/gpu_fp8_experts.py 2>&1 | grep -v INFO \
+        | tee "$out/fp8_experts.jsonl"
+    python -m deepinfer.testing.flash_fixtures flash4Lfp8 /tmp/flash4Lfp8 >/dev/null
+    for kernels in ${FP8_KERNELS:-auto}; do
+        for b in ${FP8_BATCHES:-1 64}; do
+            stamp "flash4Lfp8 b$b kernels=$kernels"
+            DEEPINFER_KERNELS=$kernels timeout 330 "${py[@]}" tools/profiling/profile_decode.py /tmp/flash4Lfp8 --dummy --graphs \
+                --steps 48 --top 8 --trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/flash4Lfp8.jsonl"
+        done
+    done
+fi
+if has glue; then  # the fused decode-step glue against its torch reference only
+    stamp glue
+    timeout 150 python tools/gpu/gpu_glue.py 2>&1 | tee "$out/glue.json" | tail -40
+fi
+
+python -m deepinfer.testing.flash_fixtures flash4L /tmp/flash4L >/dev/null
+latency() {  # name, then bench latency arguments (--model defaults to flash4L)
+    local name=$1; shift
+    stamp "latency $name"
+    timeout 400 "${bench[@]}" latency --model "${model:-/tmp/flash4L}" --load-format dummy --dtype bfloat16 --num-iters-warmup 1 \
+        --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|Killed|DeepSeek kernels" | tail -6
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','prefill_tokens_per_second','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_$name.json" 2>&1
+}
+if has profile; then  # kernels per eager decode step at batch 1 and 16
+    for b in 1 16; do
+        stamp "profile b$b"
+        "${py[@]}" tools/profiling/profile_decode.py /tmp/flash4L --dummy --batch-size $b 2>&1 | grep -v INFO | head -22
+    done
+fi
+if has idle; then  # device idle share between replayed decode steps, with and without overlap
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for m in ${IDLE_MODELS:-/tmp/flash4L /tmp/v41flash8L deepinfer-tiny-v4.1}; do
+        for b in ${IDLE_BATCHES:-1 64}; do
+            for a in ${IDLE_ASYNC:-1 0}; do
+                dummy=--dummy; [[ $m == deepinfer-tiny-v4.1 ]] && dummy=
+                trace=--trace; [[ ${TRACE:-1} == 0 ]] && trace=
+                stamp "idle $m b$b async=$a"
+                DEEPINFER_ASYNC_SCHEDULING=$a timeout 330 "${py[@]}" tools/profiling/profile_decode.py $m $dummy --graphs --steps 48 --top ${TOP:-30} \
+                    $trace --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle.jsonl"
+            done
+        done
+    done
+    stamp "host profile flash4L b1"  # where the host's step goes at batch 1
+    [[ ${HOST_PROFILE:-0} == 1 ]] && timeout 200 "${py[@]}" tools/profiling/profile_decode.py /tmp/flash4L --dummy --graphs --steps 48 --batch-size 1 --host-profile \
+        2>&1 | grep -v INFO > "$out/host_flash4L_b1.txt"
+fi
+if has small || has b1; then  # b1: the two headline figures only
+    latency b1 --batch-size 1 --input-len 512 --output-len 64 --compare-hf
+    has small || latency b16 --batch-size 16 --input-len 512 --output-len 64 --compare-hf
+fi
+if has small; then
+    latency b1_eager --batch-size 1 --input-len 512 --output-len 64 --enforce-eager
+    latency b16 --batch-size 16 --input-len 512 --output-len 64 --compare-hf
+    # the FP8 KV cache: FlashMLA serves its attention when build.sh provisioned it (the log says), Triton otherwise
+    latency b1_fp8kv --batch-size 1 --input-len 512 --output-len 64 --kv-cache-dtype fp8
+    latency b16_fp8kv --batch-size 16 --input-len 512 --output-len 64 --kv-cache-dtype fp8
+    # the same without overlapping host work: the step_ms breakdown says where the time went
+    DEEPINFER_ASYNC_SCHEDULING=0 latency b1_sync --batch-size 1 --input-len 512 --output-len 64
+    DEEPINFER_ASYNC_SCHEDULING=0 latency b16_sync --batch-size 16 --input-len 512 --output-len 64
+fi
+if has prefill; then  # where an eager prefill's device time goes, and FlashMLA's sparse prefill against ours
+    stamp "prefill kernels"
+    timeout 120 python tools/gpu/gpu_kernels.py --prefill 2>&1 | tee "$out/kernels_prefill.json" | tail -24
+    for n in ${PREFILL_LENS:-8192}; do
+        stamp "profile prefill $n"
+        timeout 240 python tools/profiling/profile_prefill.py /tmp/flash4L --dummy --input-len $n 2>&1 | grep -v INFO | tail -1 \
+            | tee -a "$out/prefill_profile.jsonl"
+    done
+fi
+if has grouped; then  # long prefills' experts through DeepGEMM's grouped GEMM: its tests, then against Triton's kernel
+    stamp "grouped experts"
+    timeout ${GROUPED_TESTS_TIMEOUT:-300} python -m pytest -q -x ${GROUPED_TESTS:-tests/test_nvidia_moe_grouped.py tests/test_nvidia_moe.py} 2>&1 \
+        | tee "$out/tests_grouped.txt" | tail -4
+    timeout 300 python tools/gpu/gpu_kernels.py --grouped 2>&1 | grep -v INFO | tee "$out/kernels_grouped.json" | grep speedup
+fi
+if has p512; then
+    latency p512 --batch-size 1 --input-len 512 --output-len 2 --compare-hf
+fi
+if has v41prefill; then  # the V4.1-Flash-shaped fixture's prefill (MXFP4 experts)
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for n in ${V41_PREFILL_LENS:-8192 512}; do
+        model=/tmp/v41flash8L latency v41_p$n --batch-size 1 --input-len $n --output-len 2 --max-num-batched-tokens 8192
+    done
+fi
+if has large; then
+    latency b64 --batch-size 64 --input-len 512 --output-len 64 --compare-hf
+fi
+if has large || has p8192; then
+    latency prefill8192 --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --compare-hf
+fi
+if has large || has b256; then  # alone first: HF's side may not fit at this batch, and its failure loses both
+    latency b256 --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192
+    latency b256_hf --batch-size 256 --input-len 512 --output-len 32 --max-num-batched-tokens 8192 --compare-hf
+fi
+if has invariant; then  # batch-invariant mode on flash4L: one output among random batches, and its cost
+    for mode in 1 0; do
+        stamp "batch invariance flash4L mode=$mode"
+        DEEPINFER_BATCH_INVARIANT=$mode timeout 240 "${py[@]}" tools/validation/batch_invariance.py /tmp/flash4L --load-format dummy \
+            --runs ${INVARIANCE_RUNS:-12} 2>&1 | grep -v INFO | tail -2 | tee -a "$out/invariance.jsonl"
+    done
+    for b in ${INVARIANT_BATCHES:-16 1}; do
+        latency b$b --batch-size $b --input-len 512 --output-len 64
+        DEEPINFER_BATCH_INVARIANT=1 latency invariant_b$b --batch-size $b --input-len 512 --output-len 64
+    done
+fi
+if has spec; then  # DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
+    stamp "speculative"
+    timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes ${SPEC_BATCHES:-1 32} \
+        --output-len 128 --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
+    python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in ('without_drafts', 'fixed_length', 'confidence_scheduled', 'fixed_length_synchronous')]; [print(b, 'same tokens', v['same_tokens']) for b, v in r.items() if b.startswith('batch')]" "$out/speculative.json"
+fi
+if has replay; then  # SWA bounded replay, prefill off vs compact (V4.1-shaped fixture, embedded model)
+    stamp "replay"
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    timeout 240 "${bench[@]}" replay --model /tmp/v41flash8L --load-format dummy --dtype bfloat16 --batch-size 4 --input-len 4096 \
+        --output-len 32 --max-num-batched-tokens 16384 --output-json "$out/replay_v41flash8L.json" 2>&1 | grep -E "Error|error" | head -5
+    timeout 150 "${bench[@]}" replay --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 4 --input-len 1024 \
+        --output-len 64 --text-file README.md --max-num-batched-tokens 8192 --output-json "$out/replay_tiny.json" 2>&1 | grep -E "Error|error" | head -5
+    for f in "$out"/replay_*.json; do python -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[1], r['prefill_tokens_per_second'], r['speedup'], r['last_logits_max_deviation_over_max_logit'], r['greedy_tokens_before_first_difference'])" "$f"; done
+fi
+if has structured; then  # a JSON schema's per-step cost at batch 32, grammar masks filled during the forward pass
+    stamp "structured"
+    timeout 300 "${bench[@]}" structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 --output-len 64 \
+        --output-json "$out/structured.json" 2>&1 | grep -vE "INFO" | tail -8
+fi
+if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    model=/tmp/v41flash8L latency v41_b1 --batch-size 1 --input-len 512 --output-len 64
+    model=/tmp/v41flash8L latency v41_b64 --batch-size 64 --input-len 512 --output-len 64
+fi
+if has v41prev; then  # the same two runs from the previous commit's tree in .prev (git archive; carried), as the peer
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for b in ${V41_BATCHES:-1 64}; do
+        stamp "latency v41_b${b} (previous commit)"
+        (cd .prev && PYTHONPATH="$PWD:$PWD/backends/nvidia" timeout 400 python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); from deepinfer.cli import main; main()" \
+            bench latency --model /tmp/v41flash8L --load-format dummy --dtype bfloat16 --num-iters-warmup 1 --num-iters 3 \
+            --batch-size $b --input-len 512 --output-len 64 --output-json "$out/latency_v41prev_b$b.json" 2>&1 | grep -E "Error|error|Killed" | tail -4)
+        python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_v41prev_b$b.json" 2>&1
+    done
+fi
+if has v41profile; then  # where V4.1's batch-1 decode step spends its device time: replayed graphs, kernels by device time
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    stamp "profile v41flash8L b1"
+    timeout 300 "${py[@]}" tools/profiling/profile_decode.py /tmp/v41flash8L --dummy --graphs --steps 48 --top ${TOP:-40} --trace \
+        --batch-size 1 2>&1 | grep -v INFO | tail -1 | tee "$out/v41_profile_b1.json"
+fi
+stamp done
+du -sh .jit-cache/* && tar czf "$top/jit-cache.tgz" --exclude=previous.tgz .jit-cache

@@ -1,0 +1,93 @@
+"""V4.1-Flash's FP8 projections at decode sizes on the GPU: ``deepinfer_nvidia.fp8_linear`` checked against the torch
+reference and timed, printed as JSON lines.
+
+    PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools/gpu python tools/gpu/gpu_fp8_linear.py [--peer MODULE]
+
+Shapes: every FP8 projection of a V4.1-Flash layer (32 x 32 weight tiles, activations rounded in 1 x 32 blocks) at
+1, 16 and 64 rows. Each strategy (``STRATEGIES``) sets some of ``fp8_linear``'s switches; ``--peer`` also times
+another module's ``fp8_linear`` (say, the previous commit's file saved as ``deepinfer_nvidia/fp8_linear_previous.py``
+for the run); cuBLAS's bf16 GEMM on the dequantized weight is timed as a reference for speed only. A CUDA graph of
+calls on distinct copies of the weight (over 256 MB in all: none is still in L2) is replayed and timed (median of
+do_bench), per call: no graph launch in the figure, as inside the engine's decode graph. The roofline reads the
+weight and its scales once at the measured copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+import torch
+
+from deepinfer.runtime.quantization import blockwise_linear, dequantize, quantize_fp8
+from deepinfer_nvidia import fp8_linear as module
+import triton.testing
+from gpu_kernels import HBM_COPY_BYTES_PER_S
+
+DEVICE = torch.device("cuda")
+BLOCK = 32
+# (name, out, in) of a V4.1-Flash layer's FP8 projections (hidden 5120, q rank 1280, 64 x 512 heads in 8 groups
+# of output rank 1024, shared expert 2304 wide)
+PROJECTIONS = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
+               ("shared w1", 2304, 5120), ("shared w2", 5120, 2304)]
+ROWS = (1, 16, 64)
+STRATEGIES = {
+    "this kernel": {},
+    "128-row tiles": {"FEW_ROWS_TILES": {"BN": 128, "num_warps": 4, "num_stages": 4}},
+}
+STREAMED_BYTES = 256 << 20
+
+
+def _per_call_us(call, x, copies) -> float:
+    """One call per weight copy in a CUDA graph, its replays timed; per call."""
+    for weight, scale in copies:  # compile and tune outside the capture
+        call(x, weight, scale, BLOCK)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for weight, scale in copies:
+            call(x, weight, scale, BLOCK)
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=40) * 1e3 / len(copies)
+
+
+def main(peer: str | None) -> None:
+    torch.manual_seed(0)
+    contenders = {name: (module.fp8_linear, switches) for name, switches in STRATEGIES.items()}
+    if peer:
+        contenders[f"peer: {peer}"] = (importlib.import_module(peer).fp8_linear, {})
+    defaults = {name: getattr(module, name) for switches in STRATEGIES.values() for name in switches}
+    totals: dict[tuple[int, str], float] = {}
+    for name, out, cols in PROJECTIONS:
+        weight, scale = quantize_fp8(torch.randn(out, cols, device=DEVICE) * cols**-0.5, BLOCK, BLOCK)
+        dense = dequantize(weight, scale, torch.bfloat16)
+        nbytes = weight.numel() + scale.numel()
+        copies = [(weight.clone(), scale.clone()) for _ in range(max(4, STREAMED_BYTES // nbytes))]
+        dense_copies = [(dense.clone(), None) for _ in range(max(4, STREAMED_BYTES // (2 * dense.numel())))]
+        for rows in ROWS:
+            x = torch.randn(rows, cols, dtype=torch.bfloat16, device=DEVICE)
+            expected = blockwise_linear(x.float(), weight, scale, BLOCK)
+            row = {"projection": name, "shape": [out, cols], "rows": rows,
+                   "roofline_us": round(nbytes / HBM_COPY_BYTES_PER_S * 1e6, 1),
+                   "cublas_bf16_us": round(_per_call_us(lambda x, w, s, b: x @ w.T, x, dense_copies), 1)}
+            for contender, (call, switches) in contenders.items():
+                for attribute, value in defaults.items():
+                    setattr(module, attribute, switches.get(attribute, value))
+                try:
+                    got = call(x, weight, scale, BLOCK).float()
+                    us = _per_call_us(call, x, copies)
+                    row[contender] = {"us": round(us, 1), "err_rel": float((got - expected).abs().max()
+                                                                            / expected.abs().max())}
+                    totals[rows, contender] = totals.get((rows, contender), 0.0) + us
+                except Exception as exc:  # noqa: BLE001 (a failing strategy is recorded, the others still run)
+                    row[contender] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            print(json.dumps(row), flush=True)
+    for attribute, value in defaults.items():
+        setattr(module, attribute, value)
+    print(json.dumps({"layer_totals_us": {f"{rows} rows, {c}": round(us, 1) for (rows, c), us in totals.items()}}))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peer", help="a module whose fp8_linear is timed alongside (the previous kernel)")
+    main(parser.parse_args().peer)
