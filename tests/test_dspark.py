@@ -15,6 +15,7 @@ from deepinfer import LLM, SamplingParams, envs
 from deepinfer.models.deepseek_v41.dspark import DraftInputs
 from deepinfer.core.model_source import EMBEDDED_MODEL_DIR
 from deepinfer.plugins.manager import PluginError, registered
+from deepinfer.testing.probes import prefill_output
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dspark_golden.pt"
 mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
@@ -53,7 +54,7 @@ def test_draft_logits_and_confidence_match_nemo():
     model = llm.engine.model
     golden = {name: t.to(model.embed.weight.device) for name, t in golden.items()}
     drafter = llm.engine.speculator.drafter
-    features = model.features
+    features = prefill_output(llm, ids).features  # what the engine's prefill step handed the drafter
     # 1e-3: the target's indexer keeps 4 compressed entries, a near-tie among which flips with the CPU's vector
     # width (AVX512 vs AVX2: 2e-4 here), as in test_parity_v41
     bound = 1e-3
@@ -104,8 +105,8 @@ def test_the_drafter_keeps_the_window_before_each_anchor(switched_on, engine_arg
     drafter = embedded.engine.speculator.drafter
     propose = drafter.propose
 
-    def spy(requests, computed):
-        drafts = propose(requests, computed)
+    def spy(requests, computed, features):
+        drafts = propose(requests, computed, features)
         seen.update({len(r.token_ids): [t.cpu() for t in drafter.pool.view(r)] for r in requests})
         return drafts
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,17 +84,18 @@ def test_drafts_match_a_dense_recompute_at_every_step(mtp_checkpoint):
     checked = []
     propose = drafter.propose
 
-    def spy(requests, computed):
+    def spy(requests, computed, step_features):
         for c in computed:
-            rows = model.features[c.row:c.row + c.count]
+            rows = step_features[c.row:c.row + c.count]
             features.setdefault(id(c.request), {}).update({c.position + i: rows[i].clone() for i in range(c.count)})
         recorded = []
-        project = model.project_vocab
-        model.project_vocab = lambda hidden: recorded.append(project(hidden)) or recorded[-1]
+        context = drafter.context
+        drafter.context = replace(context, project_vocab=lambda hidden: recorded.append(
+            context.project_vocab(hidden)) or recorded[-1])
         try:
-            drafts = propose(requests, computed)
+            drafts = propose(requests, computed, step_features)
         finally:
-            model.project_vocab = project
+            drafter.context = context
         for i, (request, draft) in enumerate(zip(requests, drafts)):
             tokens, logits = _dense_drafts(model, drafter.layer, features[id(request)], request.token_ids)
             engine_logits = torch.stack([step[i] for step in recorded])

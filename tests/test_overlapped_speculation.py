@@ -46,7 +46,7 @@ class DeviceOracleDrafter(OracleDrafter):
                 self.prompt_lengths[slot] = len(r.prompt_token_ids)
         return [self.slot_of[id(r)][1] for r in requests]
 
-    def propose_on_device(self, slots, positions, rows, kept, sampled):
+    def propose_on_device(self, slots, positions, rows, kept, sampled, features):
         slots = slots.clamp_min(0)  # padding requests read slot 0: their drafts are ignored
         done = positions + kept - self.prompt_lengths[slots] + 1  # output tokens up to the new last one
         columns = (done.unsqueeze(1) + torch.arange(self.length, device=done.device)).clamp(0, self.table.shape[1] - 1)
@@ -206,13 +206,14 @@ def test_mtp_drafts_on_the_device_as_on_the_host(tmp_path_factory, monkeypatch):
         engine, drafter, proposed = llm.engine, llm.engine.speculator.drafter, {}
         host, device = drafter.propose, drafter.propose_on_device
 
-        def on_host(requests, computed, host=host, proposed=proposed):
-            drafts = host(requests, computed)
+        def on_host(requests, computed, features, host=host, proposed=proposed):
+            drafts = host(requests, computed, features)
             proposed.update({(r.prompt_token_ids[0], len(r.token_ids)): d.token_ids for r, d in zip(requests, drafts)})
             return drafts
 
-        def on_device(slots, positions, rows, kept, sampled, device=device, proposed=proposed, drafter=drafter):
-            tokens, confidence = device(slots, positions, rows, kept, sampled)
+        def on_device(slots, positions, rows, kept, sampled, features, device=device, proposed=proposed,
+                      drafter=drafter):
+            tokens, confidence = device(slots, positions, rows, kept, sampled, features)
             requests = {slot: r for r, slot in drafter.pool._slots.values()}
             ends = (positions + kept + 1).tolist()
             proposed.update({(requests[slot].prompt_token_ids[0], end): t for slot, end, t in

@@ -186,7 +186,7 @@ def test_a_drafter_answering_for_the_wrong_requests_is_an_error(tiny_v4_checkpoi
     class Short:
         name = "short"
 
-        def propose(self, requests, computed):
+        def propose(self, requests, computed, features):
             return []
 
     with pytest.raises(RuntimeError, match="drafter short returned 0 drafts for 1 requests"):

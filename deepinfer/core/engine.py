@@ -68,7 +68,8 @@ class LLMEngine:
         self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear, mhc=mhc,
                                 dtype=dtype, device=self.device, tokenizer=self.tokenizer,
                                 quantization=config.quantization, load_format=config.load_format, seed=config.seed,
-                                expert_parallel=self.expert_parallel, engram_tables=config.engram_tables)
+                                expert_parallel=self.expert_parallel, engram_tables=config.engram_tables,
+                                keep_features=config.enable_mtp_varlen is not None)
         logger.info("loaded %s (%s, %s, %.2f GiB of weights%s) in %.1f s", model_dir, dtype, self.device,
                     setup.weight_bytes(self.model) / 2**30, ", random: load_format=dummy"
                     if config.load_format == "dummy" else "", time.perf_counter() - start)

@@ -178,7 +178,7 @@ class OverlappedSpeculation:
             source = None
             positions = to_device(torch.tensor([row.start for row in scheduled], dtype=torch.int64), device)
         flags = SamplingFlags.of([r.params for r in requests], runner.vocab_size)
-        tail = StepTail(lambda logits, inputs: self._tail(logits, inputs, flags),
+        tail = StepTail(lambda logits, features, inputs: self._tail(logits, features, inputs, flags),
                         self._tail_inputs(requests, previous is None), ("verification", flags))
         step = {}
 
@@ -224,7 +224,8 @@ class OverlappedSpeculation:
         return {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
                 "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}
 
-    def _tail(self, logits: torch.Tensor, inputs, flags: SamplingFlags) -> tuple[torch.Tensor | None, ...]:
+    def _tail(self, logits: torch.Tensor, features: torch.Tensor | None, inputs, flags: SamplingFlags
+              ) -> tuple[torch.Tensor | None, ...]:
         """After the forward pass, on the device for every (padded) request: sample every row, count the accepted
         drafts, let the drafter store the kept rows and draft from the new last token, size the next step's
         verification. Returns ``_Outcome.pack``'s tensor and the sampler's logprob outputs."""
@@ -244,7 +245,7 @@ class OverlappedSpeculation:
         sampled = sampler_output.token_ids.view(-1, rows)
         accepted = accepted_on_device(tokens[:, 1:], sampled, verified)
         first, kept = positions[:, 0], accepted + 1
-        drafts, confidence = s.drafter.propose_on_device(slots, first, rows, kept, sampled)
+        drafts, confidence = s.drafter.propose_on_device(slots, first, rows, kept, sampled, features)
         # ``Speculator._room``: never past max_tokens or max_model_len, counted from the new last token
         room = (ends - (first + kept) - 2).clamp_min(0)
         lengths = torch.minimum(verified_lengths_on_device(drafts, confidence, s.max_drafts,

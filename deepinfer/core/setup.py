@@ -22,6 +22,7 @@ from deepinfer.core.scheduler import Scheduler, SchedulerLimits
 from deepinfer.core.speculation import Speculator
 from deepinfer.core.steps import DecodeSteps, SpeculativeSteps, StepContext, StepMode
 from deepinfer.logger import init_logger
+from deepinfer.models.contract import DraftContext
 from deepinfer.plugins.interfaces import AttentionBackend, PrefillTruncation, Sampler
 from deepinfer.plugins.manager import call_all, checked, select_backend, select_optional_backend
 
@@ -62,7 +63,8 @@ def graph_blockers(backends: dict, model, expert_parallel, context) -> list[str]
 
 def speculator(config: EngineConfig, model, max_model_len: int) -> Speculator | None:
     """Speculative decoding, if a drafter plugin offers it for ``model``."""
-    offer = checked("deepinfer_drafter", select_optional_backend("deepinfer_drafter", config=config, model=model))
+    offer = checked("deepinfer_drafter", select_optional_backend("deepinfer_drafter", config=config,
+                                                                 context=DraftContext.of(model)))
     if offer is None:
         return None
     logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,

@@ -128,12 +128,13 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
 
-    def draft(self, running: list[Request], computed: list[ComputedRows]) -> None:
+    def draft(self, running: list[Request], computed: list[ComputedRows], features: torch.Tensor | None) -> None:
+        """``features``: the last step's ``ForwardOutput.features``, which ``computed`` indexes."""
         decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0]
         if not decoding and not computed:
             return
         # asked even when no request decodes next (a chunk of a long prefill): the drafter keeps what was computed
-        drafts = self.drafter.propose(decoding, computed)
+        drafts = self.drafter.propose(decoding, computed, features)
         if len(drafts) != len(decoding):
             raise RuntimeError(f"drafter {self.drafter.name} returned {len(drafts)} drafts for {len(decoding)} requests")
         floor = (survival_floor(len(decoding), self.max_drafts, self.max_num_batched_tokens)

@@ -148,7 +148,8 @@ class SpeculativeSteps:
             return []
         context.count_step()
         sampling_requests = scheduled.sampling
-        logits = context.runner.forward(scheduled).logits
+        forward = context.runner.forward(scheduled)
+        logits = forward.logits
         finished, accepted = [], {}
         if sampling_requests:
             rows = self.speculator.rows(sampling_requests)
@@ -168,6 +169,6 @@ class SpeculativeSteps:
         kept = context.scheduler.update(scheduled, accepted, finished)
         context.count_finished(finished)
         context.clock.lap("outputs")
-        self.speculator.draft(context.scheduler.running, kept)
+        self.speculator.draft(context.scheduler.running, kept, forward.features)
         context.clock.lap("draft")
         return finished

@@ -25,7 +25,7 @@ class OracleDrafter:
         self.confidence, self.length = confidence, length
         self.batches: list[list[int]] = []  # the requests asked for, per step
 
-    def propose(self, requests, computed):
+    def propose(self, requests, computed, features):
         drafts = []
         self.batches.append([len(r.token_ids) for r in requests])
         for r in requests:
@@ -46,7 +46,7 @@ class DrafterPlugin:
         self.drafter = drafter
 
     @hookimpl
-    def deepinfer_drafter(self, config, model):
+    def deepinfer_drafter(self, config, context):
         return self.drafter
 
 
