@@ -20,7 +20,8 @@ from deepinfer.core import speculation
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
 from deepinfer.testing.oracle_drafts import (GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, assert_same,
-                                             continuations, generate_with)
+                                             continuations, generate_with, reference_accepted,
+                                             reference_verified_length)
 
 
 class DeviceOracleDrafter(OracleDrafter):
@@ -152,14 +153,14 @@ def test_acceptance_and_lengths_on_the_device_match_the_host():
     drafts = torch.randint(0, 3, (64, 5), generator=g)
     sampled = torch.randint(0, 3, (64, 6), generator=g)
     limits = torch.randint(0, 6, (64,), generator=g)
-    device = speculation.accepted_on_device(drafts, sampled, limits).tolist()
-    assert device == [speculation.accepted_count(d[:n], s) for d, s, n in
+    device = speculation.accepted_counts(drafts, sampled, limits).tolist()
+    assert device == [reference_accepted(d[:n], s) for d, s, n in
                       zip(drafts.tolist(), sampled.tolist(), limits.tolist())]
     assert max(device) >= 2  # the check reaches past the first position
     confidence = torch.rand(64, 5, generator=g) ** 0.3
     for floor in (None, 0.1, 0.5):
-        lengths = speculation.verified_lengths_on_device(drafts, confidence, 4, floor).tolist()
-        assert lengths == [speculation.verified_length(Draft(d, c), 4, floor)
+        lengths = speculation.verified_lengths(torch.full((64,), 4), confidence, floor).tolist()
+        assert lengths == [reference_verified_length(Draft(d, c), 4, floor)
                            for d, c in zip(drafts.tolist(), confidence.tolist())]
 
 

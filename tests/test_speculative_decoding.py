@@ -167,19 +167,19 @@ def test_confidence_scheduling_verifies_a_different_length_per_request(tiny_v4_c
 
 def test_verified_length_and_survival_floor():
     draft = Draft([1, 2, 3, 4], confidence=[0.9, 0.5, 0.5, 0.9])
-    assert speculation.verified_length(draft, 4, None) == 4
-    assert speculation.verified_length(draft, 2, None) == 2
-    assert speculation.verified_length(draft, 4, 0.4) == 2  # survival 0.9, 0.45, 0.225
-    assert speculation.verified_length(draft, 4, 0.95) == 0
-    assert speculation.verified_length(Draft([1, 2]), 4, 0.5) == 2  # no confidence: all
+    assert speculation.verified_on_host([draft], [4], None) == [4]
+    assert speculation.verified_on_host([draft], [2], None) == [2]
+    assert speculation.verified_on_host([draft], [4], 0.4) == [2]  # survival 0.9, 0.45, 0.225
+    assert speculation.verified_on_host([draft], [4], 0.95) == [0]
+    assert speculation.verified_on_host([Draft([1, 2])], [4], 0.5) == [2]  # no confidence: all
     floors = [speculation.survival_floor(n, 5, 8192) for n in (1, 64, 1024, 4096)]
     assert floors == sorted(floors) and floors[0] == speculation.MIN_SURVIVAL and floors[-1] == speculation.MAX_SURVIVAL
 
 
 def test_accepted_count():
-    assert speculation.accepted_count([5, 6, 7], [5, 6, 7, 8]) == 3
-    assert speculation.accepted_count([5, 6, 7], [5, 9, 7, 8]) == 1
-    assert speculation.accepted_count([], [4]) == 0
+    assert speculation.accepted_on_host([[5, 6, 7]], [[5, 6, 7, 8]]) == [3]
+    assert speculation.accepted_on_host([[5, 6, 7]], [[5, 9, 7, 8]]) == [1]
+    assert speculation.accepted_on_host([[]], [[4]]) == [0]
 
 
 def test_a_drafter_answering_for_the_wrong_requests_is_an_error(tiny_v4_checkpoint):

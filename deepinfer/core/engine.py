@@ -101,8 +101,7 @@ class LLMEngine:
                                   self.expert_parallel)
         context = StepContext(self.scheduler, self.runner, self.outputs, self._clock, self.step_metrics, self.totals)
         self.async_scheduling = config.async_scheduling and self.speculator is None
-        self.steps = setup.step_mode(context, self.speculator, config.async_scheduling, self.sampler,
-                                     self.max_model_len)
+        self.steps = setup.step_mode(context, self.speculator, config.async_scheduling, self.sampler)
         # the overlapped speculative steps, where they run (their launch counts are read by benches and tests)
         self.overlap = self.steps if isinstance(self.steps, OverlappedSpeculation) else None
         self._structured = None  # the structured-outputs plugin, once a request asks for it

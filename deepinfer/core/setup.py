@@ -188,8 +188,8 @@ def decode_graphs(config: EngineConfig, model, built: Caches, device: torch.devi
     return graphs
 
 
-def step_mode(context: StepContext, speculation: Speculator | None, asynchronous: bool, sampler: Sampler,
-              max_model_len: int) -> StepMode:
+def step_mode(context: StepContext, speculation: Speculator | None, asynchronous: bool, sampler: Sampler
+              ) -> StepMode:
     """How steps run (``core/steps.py``): with asynchronous scheduling, speculative steps overlap the host only
     where the drafter and the sampler can stay on the device."""
     if speculation is None:
@@ -211,4 +211,4 @@ def step_mode(context: StepContext, speculation: Speculator | None, asynchronous
                     "CUDA graphs, not here")
     else:
         logger.info("speculative steps overlap the host in steady decoding (core/overlapped_speculation.py)")
-    return OverlappedSpeculation(context, verification, max_model_len)
+    return OverlappedSpeculation(context, verification)

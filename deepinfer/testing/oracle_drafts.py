@@ -41,6 +41,29 @@ class OracleDrafter:
         return drafts
 
 
+def reference_verified_length(draft: Draft, limit: int, floor: float | None) -> int:
+    """``speculation.verified_lengths`` for one draft, written as the rule reads: the longest prefix (at most
+    ``limit``) whose survival, the product of its confidences, stays at or above ``floor``."""
+    length = min(limit, len(draft.token_ids))
+    if floor is None or draft.confidence is None:
+        return length
+    survival = 1.0
+    for position, confidence in enumerate(draft.confidence[:length]):
+        survival *= confidence
+        if survival < floor:
+            return position
+    return length
+
+
+def reference_accepted(drafts: list[int], sampled: list[int]) -> int:
+    """``speculation.accepted_counts`` for one request, written as the rule reads: leading drafts equal to the
+    token sampled at the row before each."""
+    count = 0
+    while count < len(drafts) and drafts[count] == sampled[count]:
+        count += 1
+    return count
+
+
 class DrafterPlugin:
     def __init__(self, drafter):
         self.drafter = drafter
