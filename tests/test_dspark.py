@@ -15,6 +15,7 @@ from deepinfer import LLM, SamplingParams, envs
 from deepinfer.models.deepseek_v41.dspark import DraftInputs
 from deepinfer.core.model_source import EMBEDDED_MODEL_DIR
 from deepinfer.plugins.manager import PluginError, registered
+from deepinfer.testing.oracle_drafts import WatchingPlugin
 from deepinfer.testing.probes import prefill_output
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dspark_golden.pt"
@@ -27,8 +28,8 @@ def switched_on(monkeypatch):
     envs.reload()
 
 
-def _embedded(**engine_args):
-    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+def _embedded(plugin=None, **engine_args):
+    with registered(plugin or importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
         return LLM("deepinfer-tiny-v4.1", dtype="float32", **engine_args)
 
 
@@ -99,18 +100,15 @@ def test_the_drafter_keeps_the_window_before_each_anchor(switched_on, engine_arg
     """After a prefill, a request's context holds the projected features of the last ``window`` positions, each in
     row ``position % window``; the anchor (the token just sampled) is not among them. Chunked: the chunks before
     the last, whose steps have no request to draft for, count too."""
-    embedded = _embedded(**engine_args)
     ids = torch.load(GOLDEN, weights_only=True)["token_ids"].tolist()
     seen = {}
-    drafter = embedded.engine.speculator.drafter
-    propose = drafter.propose
 
-    def spy(requests, computed, features):
+    def spy(propose, requests, computed, features):
         drafts = propose(requests, computed, features)
-        seen.update({len(r.token_ids): [t.cpu() for t in drafter.pool.view(r)] for r in requests})
+        seen.update({len(r.token_ids): [t.cpu() for t in propose.__self__.pool.view(r)] for r in requests})
         return drafts
 
-    drafter.propose = spy
+    embedded = _embedded(WatchingPlugin(importlib.import_module("deepinfer_mtp.plugin"), propose=spy), **engine_args)
     embedded.generate([ids], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     window = embedded.engine.model.config.window
     rows, positions = seen[len(ids) + 1]  # after the prefill: the anchor is the first sampled token, at len(ids)

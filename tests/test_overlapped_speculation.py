@@ -20,7 +20,7 @@ from deepinfer.core import speculation
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
 from deepinfer.testing.oracle_drafts import (GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, assert_same,
-                                             continuations, generate_with, reference_accepted,
+                                             WatchingPlugin, continuations, generate_with, reference_accepted,
                                              reference_verified_length)
 
 
@@ -202,26 +202,26 @@ def test_mtp_drafts_on_the_device_as_on_the_host(tmp_path_factory, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     runs = []
     for overlapped in (False, True):
-        with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
-            llm = LLM(str(checkpoint), dtype="float32", **({"cuda_graphs": "padded-eager"} if overlapped else {}))
-        engine, drafter, proposed = llm.engine, llm.engine.speculator.drafter, {}
-        host, device = drafter.propose, drafter.propose_on_device
+        proposed = {}
 
-        def on_host(requests, computed, features, host=host, proposed=proposed):
+        def on_host(host, requests, computed, features, proposed=proposed):
             drafts = host(requests, computed, features)
             proposed.update({(r.prompt_token_ids[0], len(r.token_ids)): d.token_ids for r, d in zip(requests, drafts)})
             return drafts
 
-        def on_device(slots, positions, rows, kept, sampled, features, device=device, proposed=proposed,
-                      drafter=drafter):
+        def on_device(device, slots, positions, rows, kept, sampled, features, proposed=proposed):
             tokens, confidence = device(slots, positions, rows, kept, sampled, features)
-            requests = {slot: r for r, slot in drafter.pool._slots.values()}
+            requests = {slot: r for r, slot in device.__self__.pool._slots.values()}
             ends = (positions + kept + 1).tolist()
             proposed.update({(requests[slot].prompt_token_ids[0], end): t for slot, end, t in
                              zip(slots.tolist(), ends, tokens.tolist()) if slot >= 0})
             return tokens, confidence
 
-        drafter.propose, drafter.propose_on_device = on_host, on_device
+        watching = WatchingPlugin(importlib.import_module("deepinfer_mtp.plugin"), propose=on_host,
+                                  propose_on_device=on_device)
+        with registered(watching, "mtp"):
+            llm = LLM(str(checkpoint), dtype="float32", **({"cuda_graphs": "padded-eager"} if overlapped else {}))
+        engine = llm.engine
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outputs], proposed, engine.overlap.launches["following"]))
     (tokens, on_host, _), (overlapped_tokens, mixed, following) = runs

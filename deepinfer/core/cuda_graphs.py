@@ -101,6 +101,7 @@ class DecodeGraphs:
         self.ratios = list(model.compressed_ratios())
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.steps = 0  # steps run padded, replayed or (``capture=False``) eagerly: what tests count
 
     def fits(self, scheduled: ScheduledBatch) -> bool:
         """Decode steps only (each request's last token, and its drafts) and no more requests than the largest
@@ -142,6 +143,7 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= requests)
 
     def _replay(self, scheduled: ScheduledBatch, before_launch, values_on_device: bool, tail: StepTail | None):
+        self.steps += 1
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape, values_on_device)
         if tail is not None:

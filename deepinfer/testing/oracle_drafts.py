@@ -73,6 +73,35 @@ class DrafterPlugin:
         return self.drafter
 
 
+class Watched:
+    """A drafter whose ``propose`` / ``propose_on_device`` go through ``propose(real_method, *args)`` /
+    ``propose_on_device(real_method, *args)`` where given; everything else is the drafter's own."""
+
+    def __init__(self, drafter, propose=None, propose_on_device=None):
+        self.drafter = drafter
+        if propose is not None:
+            self.propose = lambda *args: propose(drafter.propose, *args)
+        if propose_on_device is not None:
+            self.propose_on_device = lambda *args: propose_on_device(drafter.propose_on_device, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+
+class WatchingPlugin:
+    """Serves the drafter the hook of ``plugin`` builds, from the ``DraftContext`` ``context(c)`` makes of the
+    engine's, as a ``Watched`` drafter: how a test watches a real drafter, passed in through the hook rather than
+    swapped into a built engine."""
+
+    def __init__(self, plugin, context=None, **watch):
+        self.plugin, self.context, self.watch = plugin, context, watch
+
+    @hookimpl
+    def deepinfer_drafter(self, config, context):
+        drafter = self.plugin.deepinfer_drafter(config, context if self.context is None else self.context(context))
+        return None if drafter is None else Watched(drafter, **self.watch)
+
+
 def generate_with(checkpoint, prompts, params, drafter=None, plugin="oracle-drafts", **engine_args):
     """``prompts``' outputs and the ``LLM`` that generated them, with ``drafter`` serving the drafts (None: no
     speculative decoding)."""
