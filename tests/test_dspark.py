@@ -15,6 +15,8 @@ from deepinfer import LLM, SamplingParams, envs
 from deepinfer.models.deepseek_v41.dspark import DraftInputs
 from deepinfer.loading.model_source import EMBEDDED_MODEL_DIR
 from deepinfer.plugins.manager import PluginError, registered
+from deepinfer.testing.oracle_drafts import WatchingPlugin
+from deepinfer.testing.probes import prefill_output
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dspark_golden.pt"
 mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
@@ -26,8 +28,8 @@ def switched_on(monkeypatch):
     envs.reload()
 
 
-def _embedded(**engine_args):
-    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+def _embedded(plugin=None, **engine_args):
+    with registered(plugin or importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
         return LLM("deepinfer-tiny-v4.1", dtype="float32", **engine_args)
 
 
@@ -53,7 +55,7 @@ def test_draft_logits_and_confidence_match_nemo():
     model = llm.engine.model
     golden = {name: t.to(model.embed.weight.device) for name, t in golden.items()}
     drafter = llm.engine.speculator.drafter
-    features = model.features
+    features = prefill_output(llm, ids).features  # what the engine's prefill step handed the drafter
     # 1e-3: the target's indexer keeps 4 compressed entries, a near-tie among which flips with the CPU's vector
     # width (AVX512 vs AVX2: 2e-4 here), as in test_parity_v41
     bound = 1e-3
@@ -98,18 +100,15 @@ def test_the_drafter_keeps_the_window_before_each_anchor(switched_on, engine_arg
     """After a prefill, a request's context holds the projected features of the last ``window`` positions, each in
     row ``position % window``; the anchor (the token just sampled) is not among them. Chunked: the chunks before
     the last, whose steps have no request to draft for, count too."""
-    embedded = _embedded(**engine_args)
     ids = torch.load(GOLDEN, weights_only=True)["token_ids"].tolist()
     seen = {}
-    drafter = embedded.engine.speculator.drafter
-    propose = drafter.propose
 
-    def spy(requests, computed):
-        drafts = propose(requests, computed)
-        seen.update({len(r.token_ids): [t.cpu() for t in drafter.pool.view(r)] for r in requests})
+    def spy(propose, requests, computed, features):
+        drafts = propose(requests, computed, features)
+        seen.update({len(r.token_ids): [t.cpu() for t in propose.__self__.pool.view(r)] for r in requests})
         return drafts
 
-    drafter.propose = spy
+    embedded = _embedded(WatchingPlugin(importlib.import_module("deepinfer_mtp.plugin"), propose=spy), **engine_args)
     embedded.generate([ids], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     window = embedded.engine.model.config.window
     rows, positions = seen[len(ids) + 1]  # after the prefill: the anchor is the first sampled token, at len(ids)

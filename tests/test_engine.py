@@ -96,9 +96,9 @@ def test_hook_deepinfer_mhc_backend(tiny_v4_checkpoint, llm, caplog):
 
 class Offers:
     @hookimpl
-    def deepinfer_drafter(self, config, model):
+    def deepinfer_drafter(self, config, context):
         # drafts nothing: what a drafter's drafts do is tests/test_speculative_decoding.py's
-        return type("Drafter", (), {"name": "test-drafter", "propose": lambda self, requests, computed: []})()
+        return type("Drafter", (), {"name": "test-drafter", "propose": lambda self, requests, computed, features: []})()
 
     @hookimpl
     def deepinfer_prefill_truncation(self, config, model_config):

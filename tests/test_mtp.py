@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.plugins.manager import PluginError, registered
+from deepinfer.testing.oracle_drafts import WatchingPlugin
 from deepinfer.testing.tiny_v4 import add_mtp_layer, build_tiny_v4
 
 pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
@@ -34,8 +36,8 @@ def switched_on(monkeypatch):
     envs.reload()
 
 
-def _llm(checkpoint, **engine_args) -> LLM:
-    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+def _llm(checkpoint, plugin=None, **engine_args) -> LLM:
+    with registered(plugin or importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
         return LLM(str(checkpoint), dtype="float32", **engine_args)
 
 
@@ -77,23 +79,20 @@ def test_drafts_match_a_dense_recompute_at_every_step(mtp_checkpoint):
     """Each step's drafts and their logits equal a recompute from the target's streams at every position so far:
     the ring's rows per position, its wrap-around, the rows a rejected chain left behind, and the chain's reuse of
     its own output streams all come out as the reference MTP block computes them."""
-    llm = _llm(mtp_checkpoint)
-    drafter, model = llm.engine.speculator.drafter, llm.engine.model
     features: dict[int, dict[int, torch.Tensor]] = {}  # id(request) -> position -> target streams
-    checked = []
-    propose = drafter.propose
+    checked, recorded = [], []
 
-    def spy(requests, computed):
+    def recording(context):  # the drafter's vocabulary projections, as it makes them
+        return replace(context, project_vocab=lambda hidden: recorded.append(context.project_vocab(hidden))
+                       or recorded[-1])
+
+    def spy(propose, requests, computed, step_features):
         for c in computed:
-            rows = model.features[c.row:c.row + c.count]
+            rows = step_features[c.row:c.row + c.count]
             features.setdefault(id(c.request), {}).update({c.position + i: rows[i].clone() for i in range(c.count)})
-        recorded = []
-        project = model.project_vocab
-        model.project_vocab = lambda hidden: recorded.append(project(hidden)) or recorded[-1]
-        try:
-            drafts = propose(requests, computed)
-        finally:
-            model.project_vocab = project
+        recorded.clear()
+        drafts = propose(requests, computed, step_features)
+        drafter = propose.__self__
         for i, (request, draft) in enumerate(zip(requests, drafts)):
             tokens, logits = _dense_drafts(model, drafter.layer, features[id(request)], request.token_ids)
             engine_logits = torch.stack([step[i] for step in recorded])
@@ -102,7 +101,9 @@ def test_drafts_match_a_dense_recompute_at_every_step(mtp_checkpoint):
             checked.append(len(request.token_ids))
         return drafts
 
-    drafter.propose = spy
+    llm = _llm(mtp_checkpoint, WatchingPlugin(importlib.import_module("deepinfer_mtp.plugin"), recording,
+                                              propose=spy))
+    model = llm.engine.model
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert len(checked) >= 2 * 6 and max(checked) > model.config.window
 

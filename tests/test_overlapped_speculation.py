@@ -20,7 +20,8 @@ from deepinfer.engine import speculation
 from deepinfer.plugins.interfaces import Draft
 from deepinfer.plugins.manager import registered
 from deepinfer.testing.oracle_drafts import (GREEDY, PROMPTS, DrafterPlugin, OracleDrafter, assert_same,
-                                             continuations, generate_with)
+                                             WatchingPlugin, continuations, generate_with, reference_accepted,
+                                             reference_verified_length)
 
 
 class DeviceOracleDrafter(OracleDrafter):
@@ -46,7 +47,7 @@ class DeviceOracleDrafter(OracleDrafter):
                 self.prompt_lengths[slot] = len(r.prompt_token_ids)
         return [self.slot_of[id(r)][1] for r in requests]
 
-    def propose_on_device(self, slots, positions, rows, kept, sampled):
+    def propose_on_device(self, slots, positions, rows, kept, sampled, features):
         slots = slots.clamp_min(0)  # padding requests read slot 0: their drafts are ignored
         done = positions + kept - self.prompt_lengths[slots] + 1  # output tokens up to the new last one
         columns = (done.unsqueeze(1) + torch.arange(self.length, device=done.device)).clamp(0, self.table.shape[1] - 1)
@@ -152,14 +153,14 @@ def test_acceptance_and_lengths_on_the_device_match_the_host():
     drafts = torch.randint(0, 3, (64, 5), generator=g)
     sampled = torch.randint(0, 3, (64, 6), generator=g)
     limits = torch.randint(0, 6, (64,), generator=g)
-    device = speculation.accepted_on_device(drafts, sampled, limits).tolist()
-    assert device == [speculation.accepted_count(d[:n], s) for d, s, n in
+    device = speculation.accepted_counts(drafts, sampled, limits).tolist()
+    assert device == [reference_accepted(d[:n], s) for d, s, n in
                       zip(drafts.tolist(), sampled.tolist(), limits.tolist())]
     assert max(device) >= 2  # the check reaches past the first position
     confidence = torch.rand(64, 5, generator=g) ** 0.3
     for floor in (None, 0.1, 0.5):
-        lengths = speculation.verified_lengths_on_device(drafts, confidence, 4, floor).tolist()
-        assert lengths == [speculation.verified_length(Draft(d, c), 4, floor)
+        lengths = speculation.verified_lengths(torch.full((64,), 4), confidence, floor).tolist()
+        assert lengths == [reference_verified_length(Draft(d, c), 4, floor)
                            for d, c in zip(drafts.tolist(), confidence.tolist())]
 
 
@@ -201,25 +202,26 @@ def test_mtp_drafts_on_the_device_as_on_the_host(tmp_path_factory, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     runs = []
     for overlapped in (False, True):
-        with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
-            llm = LLM(str(checkpoint), dtype="float32", **({"cuda_graphs": "padded-eager"} if overlapped else {}))
-        engine, drafter, proposed = llm.engine, llm.engine.speculator.drafter, {}
-        host, device = drafter.propose, drafter.propose_on_device
+        proposed = {}
 
-        def on_host(requests, computed, host=host, proposed=proposed):
-            drafts = host(requests, computed)
+        def on_host(host, requests, computed, features, proposed=proposed):
+            drafts = host(requests, computed, features)
             proposed.update({(r.prompt_token_ids[0], len(r.token_ids)): d.token_ids for r, d in zip(requests, drafts)})
             return drafts
 
-        def on_device(slots, positions, rows, kept, sampled, device=device, proposed=proposed, drafter=drafter):
-            tokens, confidence = device(slots, positions, rows, kept, sampled)
-            requests = {slot: r for r, slot in drafter.pool._slots.values()}
+        def on_device(device, slots, positions, rows, kept, sampled, features, proposed=proposed):
+            tokens, confidence = device(slots, positions, rows, kept, sampled, features)
+            requests = {slot: r for r, slot in device.__self__.pool._slots.values()}
             ends = (positions + kept + 1).tolist()
             proposed.update({(requests[slot].prompt_token_ids[0], end): t for slot, end, t in
                              zip(slots.tolist(), ends, tokens.tolist()) if slot >= 0})
             return tokens, confidence
 
-        drafter.propose, drafter.propose_on_device = on_host, on_device
+        watching = WatchingPlugin(importlib.import_module("deepinfer_mtp.plugin"), propose=on_host,
+                                  propose_on_device=on_device)
+        with registered(watching, "mtp"):
+            llm = LLM(str(checkpoint), dtype="float32", **({"cuda_graphs": "padded-eager"} if overlapped else {}))
+        engine = llm.engine
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outputs], proposed, engine.overlap.launches["following"]))
     (tokens, on_host, _), (overlapped_tokens, mixed, following) = runs

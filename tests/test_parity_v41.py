@@ -142,15 +142,15 @@ def test_quantized_weight_without_scale_is_named(tmp_path):
         LLM(str(tmp_path / "m"), dtype="float32")
 
 
-def test_image_inputs_are_refused_clearly(llm):
+def test_image_inputs_are_refused_clearly(llm, tmp_path):
     with pytest.raises(NotImplementedError, match="image inputs are not supported"):
         llm.generate([{"prompt": "x", "multi_modal_data": {"image": None}}], use_tqdm=False)
-    llm.engine.model_config.image_token_id = 7  # the tiny vocabulary cannot hold the real id 129264
-    try:
-        with pytest.raises(NotImplementedError, match="image token 7"):
-            llm.generate([[0, 7, 9]], use_tqdm=False)
-    finally:
-        llm.engine.model_config.image_token_id = 129264
+    d = _config()
+    d["image_token_id"] = 7  # the tiny vocabulary cannot hold the real id 129264
+    shutil.copytree(FIXTURE, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(d))
+    with pytest.raises(NotImplementedError, match="image token 7"):
+        LLM(str(tmp_path / "m"), dtype="float32", quantization="none").generate([[0, 7, 9]], use_tqdm=False)
 
 
 def test_make_tiny_writes_a_loadable_v41(tmp_path):

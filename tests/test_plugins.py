@@ -83,8 +83,8 @@ def test_plugin_returning_none_declines():
 
 def test_when_every_plugin_declines_only_the_optional_selection_accepts_it():
     with pytest.raises(PluginError, match="no installed plugin serves deepinfer_drafter"):
-        select_backend("deepinfer_drafter", config=None, model=None)
-    assert select_optional_backend("deepinfer_drafter", config=None, model=None) is None
+        select_backend("deepinfer_drafter", config=None, context=None)
+    assert select_optional_backend("deepinfer_drafter", config=None, context=None) is None
 
 
 def test_selection_is_logged_once_naming_backend_and_plugin(caplog):

@@ -22,6 +22,7 @@ from deepinfer.loading.checkpoint import CheckpointIndex
 from deepinfer.runtime.linear import quantizable_weights
 from deepinfer.loading.weights import dummy_layout, fill_dummy
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
+from deepinfer.models.contract import Backends
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 FLASH_SHAPES = dict(
@@ -42,7 +43,7 @@ def synthesize(out_dir: Path, layers: int, experts: int, shard_bytes: int, seed:
              compress_ratios=([0, 0] + [4, 128] * layers)[:layers] + [0])
     config = DeepseekV4ModelConfig.from_dict(d)
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, None, None, config.dtype)
+        model = DeepseekV4ForCausalLM(config, Backends(None, None, None, None), config.dtype)
     layout = dummy_layout(model.expected_tensors(), quantizable_weights(model, model.checkpoint_name),
                           config.weight_block_size)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,8 @@ class LLMEngine:
         self.model = load_model(self.model_config, model_dir, attention=attention, moe=moe, linear=linear, mhc=mhc,
                                 dtype=dtype, device=self.device, tokenizer=self.tokenizer,
                                 quantization=config.quantization, load_format=config.load_format, seed=config.seed,
-                                expert_parallel=self.expert_parallel, engram_tables=config.engram_tables)
+                                expert_parallel=self.expert_parallel, engram_tables=config.engram_tables,
+                                keep_features=config.enable_mtp_varlen is not None)
         logger.info("loaded %s (%s, %s, %.2f GiB of weights%s) in %.1f s", model_dir, dtype, self.device,
                     setup.weight_bytes(self.model) / 2**30, ", random: load_format=dummy"
                     if config.load_format == "dummy" else "", time.perf_counter() - start)
@@ -100,8 +101,7 @@ class LLMEngine:
                                   self.expert_parallel)
         context = StepContext(self.scheduler, self.runner, self.outputs, self._clock, self.step_metrics, self.totals)
         self.async_scheduling = config.async_scheduling and self.speculator is None
-        self.steps = setup.step_mode(context, self.speculator, config.async_scheduling, self.sampler,
-                                     self.max_model_len)
+        self.steps = setup.step_mode(context, self.speculator, config.async_scheduling, self.sampler)
         # the overlapped speculative steps, where they run (their launch counts are read by benches and tests)
         self.overlap = self.steps if isinstance(self.steps, OverlappedSpeculation) else None
         self._structured = None  # the structured-outputs plugin, once a request asks for it

@@ -2,7 +2,7 @@
 previous one's result.
 
 A step's outcome stays on the device: the verifier samples every row, counts each request's accepted drafts
-(``accepted_on_device``) and the drafter drafts from the new last token (``Drafter.propose_on_device``), all
+(``accepted_counts``) and the drafter drafts from the new last token (``Drafter.propose_on_device``), all
 queued behind the forward pass. The host copies of those results are read one step later. Meanwhile the next step
 is scheduled as if every draft had been accepted: at ``start + rows`` with blocks reserved up to there, and inputs
 the device then corrects before the forward pass reads them. Its positions become ``start + accepted + 1``, its
@@ -39,8 +39,8 @@ from deepinfer.runner.cuda_graphs import StepTail
 from deepinfer.engine.output_processor import host_lists
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.scheduled import ScheduledBatch
-from deepinfer.runner.sampling_batch import SamplingFlags, device_sampling_batch, sample_seed
-from deepinfer.engine.speculation import accepted_on_device, survival_floor, verified_lengths_on_device
+from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling_batch
+from deepinfer.engine.speculation import accepted_counts, draft_room, survival_floor, verified_lengths
 from deepinfer.engine.steps import SpeculativeSteps, StepContext
 from deepinfer.runtime.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
@@ -111,11 +111,10 @@ class OverlappedSpeculation:
     """A step mode (``engine/steps.py``): steady runs of verification steps stay on the device; every other step
     is one of ``synchronous``'s."""
 
-    def __init__(self, context: StepContext, synchronous: SpeculativeSteps, max_model_len: int):
+    def __init__(self, context: StepContext, synchronous: SpeculativeSteps):
         self.context, self.synchronous = context, synchronous
         self.runner = context.runner
         self.speculator = synchronous.speculator
-        self.max_model_len = max_model_len
         self.rows = 1 + self.speculator.max_drafts
         self.inflight: SpeculativeInFlight | None = None
         self.launches = Counter()  # "first" of a steady run, "following" a step in flight
@@ -178,7 +177,7 @@ class OverlappedSpeculation:
             source = None
             positions = to_device(torch.tensor([row.start for row in scheduled], dtype=torch.int64), device)
         flags = SamplingFlags.of([r.params for r in requests], runner.vocab_size)
-        tail = StepTail(lambda logits, inputs: self._tail(logits, inputs, flags),
+        tail = StepTail(lambda logits, features, inputs: self._tail(logits, features, inputs, flags),
                         self._tail_inputs(requests, previous is None), ("verification", flags))
         step = {}
 
@@ -216,7 +215,7 @@ class OverlappedSpeculation:
                  else 0.0)
         floats = [padded([p.temperature for p in params], 0.0), padded([p.top_p for p in params], 1.0),
                   padded([p.min_p for p in params], 0.0), padded([floor] * len(requests), floor)]
-        ends = [min(p.max_tokens + len(r.prompt_token_ids), self.max_model_len) for p, r in zip(params, requests)]
+        ends = [s.end(r) for r in requests]
         ints = [padded([max(p.top_k, 0) for p in params], 0), padded([sample_seed(r) for r in requests], -1),
                 padded([len(r.prompt_token_ids) for r in requests], 0),
                 padded([r.num_drafts if first else 0 for r in requests], 0),
@@ -224,7 +223,8 @@ class OverlappedSpeculation:
         return {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
                 "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}
 
-    def _tail(self, logits: torch.Tensor, inputs, flags: SamplingFlags) -> tuple[torch.Tensor | None, ...]:
+    def _tail(self, logits: torch.Tensor, features: torch.Tensor | None, inputs, flags: SamplingFlags
+              ) -> tuple[torch.Tensor | None, ...]:
         """After the forward pass, on the device for every (padded) request: sample every row, count the accepted
         drafts, let the drafter store the kept rows and draft from the new last token, size the next step's
         verification. Returns ``_Outcome.pack``'s tensor and the sampler's logprob outputs."""
@@ -237,18 +237,16 @@ class OverlappedSpeculation:
             return t.unsqueeze(1).expand(-1, rows).flatten()
 
         # a row at position p samples output position p + 1 - the prompt's length
-        sampling = device_sampling_batch(each_row(temperature), each_row(top_k), each_row(top_p), each_row(min_p),
-                                         each_row(seeds), (positions + 1 - prompt_lengths.unsqueeze(1)).flatten(),
-                                         flags)
+        sampling = sampling_batch(each_row(temperature), each_row(top_k), each_row(top_p), each_row(min_p),
+                                  each_row(seeds), (positions + 1 - prompt_lengths.unsqueeze(1)).flatten(), flags)
         sampler_output = self.runner.sampler.sample(logits, sampling)
         sampled = sampler_output.token_ids.view(-1, rows)
-        accepted = accepted_on_device(tokens[:, 1:], sampled, verified)
+        accepted = accepted_counts(tokens[:, 1:], sampled, verified)
         first, kept = positions[:, 0], accepted + 1
-        drafts, confidence = s.drafter.propose_on_device(slots, first, rows, kept, sampled)
-        # ``Speculator._room``: never past max_tokens or max_model_len, counted from the new last token
-        room = (ends - (first + kept) - 2).clamp_min(0)
-        lengths = torch.minimum(verified_lengths_on_device(drafts, confidence, s.max_drafts,
-                                                           floor if s.confidence_scheduling else None), room)
+        drafts, confidence = s.drafter.propose_on_device(slots, first, rows, kept, sampled, features)
+        # the new last token sits at position first + kept
+        room = draft_room(ends, first + kept + 1).clamp_max(min(s.max_drafts, drafts.shape[1]))
+        lengths = verified_lengths(room, confidence, floor if s.confidence_scheduling else None)
         width = rows - 1
         drafts = torch.nn.functional.pad(drafts[:, :width], (0, max(0, width - drafts.shape[1])))
         return (_Outcome.pack(sampled, drafts, accepted, verified, lengths), sampler_output.logprobs,

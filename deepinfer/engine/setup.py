@@ -22,6 +22,7 @@ from deepinfer.engine.scheduler import Scheduler, SchedulerLimits
 from deepinfer.engine.speculation import Speculator
 from deepinfer.engine.steps import DecodeSteps, SpeculativeSteps, StepContext, StepMode
 from deepinfer.logger import init_logger
+from deepinfer.models.contract import DraftContext
 from deepinfer.plugins.interfaces import AttentionBackend, PrefillTruncation, Sampler
 from deepinfer.plugins.manager import call_all, checked, select_backend, select_optional_backend
 
@@ -62,7 +63,8 @@ def graph_blockers(backends: dict, model, expert_parallel, context) -> list[str]
 
 def speculator(config: EngineConfig, model, max_model_len: int) -> Speculator | None:
     """Speculative decoding, if a drafter plugin offers it for ``model``."""
-    offer = checked("deepinfer_drafter", select_optional_backend("deepinfer_drafter", config=config, model=model))
+    offer = checked("deepinfer_drafter", select_optional_backend("deepinfer_drafter", config=config,
+                                                                 context=DraftContext.of(model)))
     if offer is None:
         return None
     logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,
@@ -186,8 +188,8 @@ def decode_graphs(config: EngineConfig, model, built: Caches, device: torch.devi
     return graphs
 
 
-def step_mode(context: StepContext, speculation: Speculator | None, asynchronous: bool, sampler: Sampler,
-              max_model_len: int) -> StepMode:
+def step_mode(context: StepContext, speculation: Speculator | None, asynchronous: bool, sampler: Sampler
+              ) -> StepMode:
     """How steps run (``engine/steps.py``): with asynchronous scheduling, speculative steps overlap the host only
     where the drafter and the sampler can stay on the device."""
     if speculation is None:
@@ -209,4 +211,4 @@ def step_mode(context: StepContext, speculation: Speculator | None, asynchronous
                     "CUDA graphs, not here")
     else:
         logger.info("speculative steps overlap the host in steady decoding (engine/overlapped_speculation.py)")
-    return OverlappedSpeculation(context, verification, max_model_len)
+    return OverlappedSpeculation(context, verification)

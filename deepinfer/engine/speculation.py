@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deepinfer.runner.grammar_masks import allowed_drafts
@@ -44,48 +45,61 @@ def survival_floor(decoding: int, max_drafts: int, max_num_batched_tokens: int) 
     return min(MAX_SURVIVAL, max(MIN_SURVIVAL, load))
 
 
-def verified_length(draft: Draft, limit: int, floor: float | None) -> int:
-    """How many of ``draft``'s tokens to verify: at most ``limit``; with a ``floor`` (confidence scheduling), the
-    longest prefix whose survival (the product of its confidences) stays at or above it."""
-    length = min(limit, len(draft.token_ids))
-    if floor is None or draft.confidence is None:
-        return length
-    survival = 1.0
-    for position, confidence in enumerate(draft.confidence[:length]):
-        survival *= confidence
-        if survival < floor:
-            return position
-    return length
+# The rules below take tensors wherever they live: the overlapped steps apply them on the device inside a step's
+# graph, the synchronous steps to one CPU tensor per step, so both paths follow the same rule by construction.
 
 
-def accepted_count(drafts: list[int], sampled: list[int]) -> int:
-    """Leading drafts equal to the token sampled at the row before each (``sampled`` has one more row)."""
-    count = 0
-    while count < len(drafts) and drafts[count] == sampled[count]:
-        count += 1
-    return count
+def verified_lengths(limits: torch.Tensor, confidence: torch.Tensor | None,
+                     floor: float | torch.Tensor | None) -> torch.Tensor:
+    """How many drafted tokens to verify per request [B]: at most ``limits`` [B]; with a ``floor`` (confidence
+    scheduling: a number, or one per request [B]) and ``confidence`` [B, D], the longest prefix whose survival
+    (the product of its confidences) stays at or above it."""
+    if floor is None or confidence is None:
+        return limits
+    # at least fp32 (a bf16 product drifts), fp64 kept: the host's confidences are Python floats
+    survival = confidence.to(torch.promote_types(confidence.dtype, torch.float32)).cumprod(dim=1)
+    if isinstance(floor, torch.Tensor):
+        floor = floor.unsqueeze(1)
+    return torch.minimum(limits, (survival >= floor).long().cumprod(dim=1).sum(dim=1))
 
 
-def accepted_on_device(drafts: torch.Tensor, sampled: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
-    """``accepted_count`` per request, without the host: ``drafts`` [B, k] against ``sampled`` [B, k + 1], only the
-    first ``limits`` [B] drafts counting (the rest are padding or beyond what was verified)."""
+def accepted_counts(drafts: torch.Tensor, sampled: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """Leading drafts per request [B] equal to the token sampled at the row before each: ``drafts`` [B, k]
+    against ``sampled`` [B, k + 1], only the first ``limits`` [B] drafts counting (the rest are padding or beyond
+    what was verified)."""
     k = drafts.shape[1]
     match = (drafts == sampled[:, :k]) & (torch.arange(k, device=drafts.device) < limits.unsqueeze(1))
     return match.long().cumprod(dim=1).sum(dim=1)
 
 
-def verified_lengths_on_device(tokens: torch.Tensor, confidence: torch.Tensor | None, limit: int,
-                               floor: float | torch.Tensor | None) -> torch.Tensor:
-    """``verified_length`` per request, without the host: [B] for drafts ``tokens`` [B, D] and their
-    ``confidence`` [B, D] (None: no estimates). Survival never grows along a draft, so the prefix kept is the
-    positions whose survival stays at or above ``floor`` (a number, or one per request [B])."""
-    length = min(limit, tokens.shape[1])
-    if floor is None or confidence is None:
-        return torch.full((tokens.shape[0],), length, dtype=torch.int64, device=tokens.device)
-    survival = confidence[:, :length].float().cumprod(dim=1)
-    if isinstance(floor, torch.Tensor):
-        floor = floor.unsqueeze(1)
-    return (survival >= floor).long().sum(dim=1)
+def accepted_on_host(drafts: list[list[int]], sampled: list[list[int]]) -> list[int]:
+    """``accepted_counts`` of a synchronous step: each request's drafts against its ``sampled`` rows (one more)."""
+    lengths = [len(d) for d in drafts]
+    padded = np.zeros((len(drafts), max(lengths, default=0)), dtype=np.int64)
+    rows = np.zeros((len(drafts), padded.shape[1] + 1), dtype=np.int64)
+    for i, (tokens, row) in enumerate(zip(drafts, sampled)):
+        padded[i, :len(tokens)] = tokens
+        rows[i, :len(row)] = row
+    return accepted_counts(torch.from_numpy(padded), torch.from_numpy(rows), torch.tensor(lengths)).tolist()
+
+
+def verified_on_host(drafts: list[Draft], limits: list[int], floor: float | None) -> list[int]:
+    """``verified_lengths`` of a synchronous step's drafts, each at most ``limits`` and its own length. Missing
+    confidences are padded with 1, which keeps a row's survival: such a draft is cut only by its limit."""
+    limits = torch.tensor([min(limit, len(d.token_ids)) for d, limit in zip(drafts, limits)], dtype=torch.int64)
+    if floor is None or all(d.confidence is None for d in drafts):
+        return limits.tolist()
+    confidence = np.ones((len(drafts), max(len(d.confidence or ()) for d in drafts)), dtype=np.float64)
+    for row, draft in zip(confidence, drafts):
+        if draft.confidence is not None:
+            row[:len(draft.confidence)] = draft.confidence
+    return verified_lengths(limits, torch.from_numpy(confidence), floor).tolist()
+
+
+def draft_room(ends: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Drafts worth verifying for requests of ``lengths`` tokens that must end by ``ends`` (``Speculator.end``):
+    a step emits at most one token more than it verifies, and never past ``max_tokens`` or ``max_model_len``."""
+    return (ends - lengths - 1).clamp_min(0)
 
 
 @dataclass(slots=True)
@@ -128,27 +142,32 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
 
-    def draft(self, running: list[Request], computed: list[ComputedRows]) -> None:
-        decoding = [r for r in running if r.num_pending == 1 and not r.finished and self._room(r) > 0]
+    def draft(self, running: list[Request], computed: list[ComputedRows], features: torch.Tensor | None) -> None:
+        """``features``: the last step's ``ForwardOutput.features``, which ``computed`` indexes."""
+        candidates = [r for r in running if r.num_pending == 1 and not r.finished]  # no drafts pending
+        rooms = draft_room(torch.tensor([self.end(r) for r in candidates], dtype=torch.int64),
+                           torch.tensor([len(r.token_ids) for r in candidates], dtype=torch.int64)).tolist()
+        rooms = {r: room for r, room in zip(candidates, rooms) if room > 0}
+        decoding = list(rooms)
         if not decoding and not computed:
             return
         # asked even when no request decodes next (a chunk of a long prefill): the drafter keeps what was computed
-        drafts = self.drafter.propose(decoding, computed)
+        drafts = self.drafter.propose(decoding, computed, features)
         if len(drafts) != len(decoding):
             raise RuntimeError(f"drafter {self.drafter.name} returned {len(drafts)} drafts for {len(decoding)} requests")
+        if not drafts:
+            return
         floor = (survival_floor(len(decoding), self.max_drafts, self.max_num_batched_tokens)
                  if self.confidence_scheduling else None)
-        for request, draft in zip(decoding, drafts):
-            length = verified_length(draft, min(self.max_drafts, self._room(request)), floor)
+        lengths = verified_on_host(drafts, [min(self.max_drafts, rooms[r]) for r in decoding], floor)
+        for request, draft, length in zip(decoding, drafts, lengths):
             if request.grammar is not None:  # structured outputs: only drafts the grammar allows are verified
                 length = allowed_drafts(request.grammar, draft.token_ids[:length])
             request.set_drafts(list(draft.token_ids[:length]))
 
-    def _room(self, request: Request) -> int:
-        """Drafts worth verifying: a step emits at most one token more than it verifies, and never past
-        ``max_tokens`` or ``max_model_len``."""
-        left = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - len(request.token_ids))
-        return max(0, left - 1)
+    def end(self, request: Request) -> int:
+        """The length ``request``'s tokens must stop at: ``max_tokens`` outputs, within ``max_model_len``."""
+        return min(request.params.max_tokens + len(request.prompt_token_ids), self.max_model_len)
 
     @staticmethod
     def rows(requests: list[Request]) -> list[tuple[Request, int]]:

@@ -10,6 +10,7 @@ step as ``SpeculativeSteps`` does.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,7 +21,7 @@ from deepinfer.engine.output_processor import OutputProcessor, host_lists
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.scheduled import ScheduledBatch
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.speculation import Speculator, accepted_count
+from deepinfer.engine.speculation import Speculator, accepted_on_host
 from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
 
 
@@ -148,16 +149,19 @@ class SpeculativeSteps:
             return []
         context.count_step()
         sampling_requests = scheduled.sampling
-        logits = context.runner.forward(scheduled).logits
+        forward = context.runner.forward(scheduled)
+        logits = forward.logits
         finished, accepted = [], {}
         if sampling_requests:
             rows = self.speculator.rows(sampling_requests)
             sampled = host_lists(context.runner.sample(logits, rows))
             context.clock.lap("sample")
-            now, first = time.monotonic(), 0
-            for request in sampling_requests:
+            now, first, tokens = time.monotonic(), 0, sampled["token_ids"]
+            starts = list(itertools.accumulate((r.num_drafts + 1 for r in sampling_requests), initial=0))
+            counts = accepted_on_host([r.draft_token_ids for r in sampling_requests],
+                                      [tokens[a:b] for a, b in itertools.pairwise(starts)])
+            for request, count in zip(sampling_requests, counts):
                 drafted = request.num_drafts
-                count = accepted_count(request.draft_token_ids, sampled["token_ids"][first:first + drafted + 1])
                 if drafted:
                     self.speculator.stats.record(request, drafted, count)
                 request.drop_drafts()
@@ -168,6 +172,6 @@ class SpeculativeSteps:
         kept = context.scheduler.update(scheduled, accepted, finished)
         context.count_finished(finished)
         context.clock.lap("outputs")
-        self.speculator.draft(context.scheduler.running, kept)
+        self.speculator.draft(context.scheduler.running, kept, forward.features)
         context.clock.lap("draft")
         return finished

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from deepinfer.runtime.linear import fuse_shared_inputs, materialize, quantizable_weights
+from deepinfer.models.contract import Backends
 from deepinfer.loading.weights import dummy_layout, fill_dummy, plan_load, stream_into
 from deepinfer.models.deepseek_v4.weight_names import naming
 from deepinfer.models.registry import checkpoint_naming, model_class
@@ -18,7 +18,7 @@ from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBac
 def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, moe: MoEBackend,
                linear: LinearBackend, mhc: MHCBackend, dtype: torch.dtype, device: torch.device, tokenizer=None,
                engram_tables: str, quantization: str = "auto", load_format: str = "auto", seed: int = 0,
-               expert_parallel=None) -> nn.Module:
+               expert_parallel=None, keep_features: bool = False) -> nn.Module:
     """The model with its weights on ``device``.
 
     ``quantization="auto"`` keeps FP8 / MXFP4 weights as the checkpoint stores them (device memory about the
@@ -27,10 +27,12 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
     declares (FP8 / MXFP4 with a ``quantization_config``, ``dtype`` without one). With ``expert_parallel``
     (``deepinfer.parallel.expert_parallel``) each MoE layer keeps, and reads, only this rank's experts.
     ``engram_tables``: where DeepSeek-V4.1's Engram tables are read (``EngineConfig.engram_tables``).
+    ``keep_features``: each forward pass also returns what the checkpoint's drafter reads (``ModelOutput``).
     """
     # meta: no memory is touched until the checkpoint says how each tensor is stored
     with torch.device("meta"):
-        model = model_class(model_config)(model_config, attention, moe, mhc, dtype, tokenizer=tokenizer)
+        model = model_class(model_config)(model_config, Backends(attention, moe, linear, mhc), dtype,
+                                          tokenizer=tokenizer, keep_features=keep_features)
     held = _hold_experts(model, expert_parallel) if expert_parallel is not None else None
     expected = model.expected_tensors()
     quantizable = quantizable_weights(model, model.checkpoint_name) if quantization == "auto" else set()
@@ -49,7 +51,6 @@ def load_model(model_config, model_dir: Path, *, attention: AttentionBackend, mo
                          block=block, memory_mapped=model.memory_mapped, held_experts=held)
         tensors = materialize(model, plan.layout, model.checkpoint_name, device, linear, block[1])
         extras = stream_into(plan, tensors)
-    model.backends = Backends(attention, moe, linear, mhc)  # what a drafter plugin builds its stages with
     model = model.to(device)  # the buffers the model computes itself (RoPE)
     model.attach(extras, device, engram_tables)
     fuse_shared_inputs(model)
@@ -69,14 +70,6 @@ def _hold_experts(model: nn.Module, expert_parallel) -> dict[str, list[int]]:
             for leaf in ("weight", "scale"):
                 held[model.checkpoint_name(f"layers.{index}.ffn.experts.{stack}.{leaf}")] = experts
     return held
-
-
-@dataclass(slots=True)
-class Backends:
-    attention: AttentionBackend
-    moe: MoEBackend
-    linear: LinearBackend
-    mhc: MHCBackend
 
 
 def load_part(module: nn.Module, model_config, model_dir: Path, checkpoint_name, canonical, linear: LinearBackend,

@@ -57,8 +57,9 @@ def deepinfer_sampler(config, device):
 
 
 @hookspec(firstresult=True)
-def deepinfer_drafter(config, model):
-    """Return a ``Drafter`` proposing speculative tokens for ``model``, or ``None`` (no speculation)."""
+def deepinfer_drafter(config, context):
+    """Return a ``Drafter`` proposing speculative tokens for the model ``context`` (a ``DraftContext``: what a
+    drafter may use of it) describes, or ``None`` (no speculation)."""
 
 
 @hookspec(firstresult=True)

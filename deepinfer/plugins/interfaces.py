@@ -317,24 +317,26 @@ class ComputedRows:
 class Drafter(Protocol):
     name: str
 
-    def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
+    def propose(self, requests: list, computed: list[ComputedRows], features) -> list[Draft]:
         """One ``Draft`` per request (``runtime.request.Request``: its ``token_ids`` end with the token the drafts
-        follow; none is pending a value). Called after each step, with what that step computed, for the requests
-        that decode next (none, when a step only prefilled: ``computed`` still matters); an empty draft means no
-        speculation for that request this step. Longer drafts than the engine verifies are cut."""
+        follow; none is pending a value). Called after each step, with what that step computed (``computed``'s
+        rows index ``features``, the step's ``ModelOutput.features``, or None), for the requests that decode
+        next (none, when a step only prefilled: ``computed`` still matters); an empty draft means no speculation
+        for that request this step. Longer drafts than the engine verifies are cut."""
 
     # Optional: ``use_cuda_graphs(batch_sizes: list[int]) -> None``, called once when the engine replays decode
     # steps from CUDA graphs of these padded batch sizes, so a drafter may capture its own pass likewise.
     #
     # Optional, together: ``device_slots(requests) -> list[int]`` and ``propose_on_device(slots, positions, rows,
-    # kept, sampled) -> (tokens [B, D], confidence [B, D] or None)``; speculative steps then overlap the host
-    # (``engine/overlapped_speculation.py``). ``device_slots`` runs on the host: where each request's state lives
+    # kept, sampled, features) -> (tokens [B, D], confidence [B, D] or None)``; speculative steps then overlap
+    # the host (``engine/overlapped_speculation.py``). ``device_slots`` runs on the host: where each request's state lives
     # on the device. ``propose_on_device`` is device work only, captured in the engine's step graph (no host
     # reads, no tensors built from host values: it gets everything as arguments): the last step computed
     # ``rows`` rows per request from ``positions`` [B]; the first ``kept`` [B] of them stand; ``sampled`` [B,
     # rows] is the token after each row, so ``sampled[i, kept[i] - 1]`` is request i's new last token, the one
-    # the drafts follow. ``slots`` [B] are ``device_slots``' values, -1 for the graph's padding requests, whose
-    # outputs are ignored and whose writes must not touch any request's state.
+    # the drafts follow; ``features`` [B * rows, F] are the step's ``ModelOutput.features`` (or None). ``slots``
+    # [B] are ``device_slots``' values, -1 for the graph's padding requests, whose outputs are ignored and whose
+    # writes must not touch any request's state.
 
 
 class PrefillTruncation(Protocol):

@@ -60,13 +60,13 @@ class _Captured:
 
 @dataclass(slots=True)
 class StepTail:
-    """Device work captured with a padded step, after its forward pass: ``run(logits [padded rows, vocab], inputs)
-    -> tensors``. ``run`` reads its own per-step values from ``inputs.tail`` (static in the graph), which the
+    """Device work captured with a padded step, after its forward pass: ``run(logits [padded rows, vocab],
+    features [padded rows, F] or None, inputs) -> tensors``, ``features`` being the forward's ``ModelOutput``'s. ``run`` reads its own per-step values from ``inputs.tail`` (static in the graph), which the
     step's one staging copy carries from ``inputs`` (host tensors, one column per padded request). Steps whose
     tails share a ``key`` (and the forward's shape) replay one graph: the key holds every host value ``run``
     branches on."""
 
-    run: Callable[[torch.Tensor, StepInputs], tuple[torch.Tensor, ...]]
+    run: Callable[[torch.Tensor, torch.Tensor | None, StepInputs], tuple[torch.Tensor, ...]]
     inputs: dict[str, torch.Tensor]
     key: Hashable
 
@@ -101,6 +101,7 @@ class DecodeGraphs:
         self.ratios = list(model.compressed_ratios())
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.steps = 0  # steps run padded, replayed or (``capture=False``) eagerly: what tests count
 
     def fits(self, scheduled: ScheduledBatch) -> bool:
         """Decode steps only (each request's last token, and its drafts) and no more requests than the largest
@@ -121,8 +122,10 @@ class DecodeGraphs:
         return PaddedShape(size * q, blocks, {r: -(-context // r) for r in self.ratios},
                            self.cache.scratch_rows, q)
 
-    def logits(self, scheduled: ScheduledBatch, before_launch=lambda inputs: None) -> torch.Tensor:
-        """Next-token logits of the scheduled tokens, in step order. ``before_launch`` gets the step's inputs
+    def logits(self, scheduled: ScheduledBatch, before_launch=lambda inputs: None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next-token logits of the scheduled tokens and their features (``ModelOutput.features``), in step order.
+        ``before_launch`` gets the step's inputs
         (``StepInputs``) where the forward pass will read them, before it runs (asynchronous scheduling completes
         them there)."""
         hidden, features = self._replay(scheduled, before_launch, False, None)
@@ -140,11 +143,12 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= requests)
 
     def _replay(self, scheduled: ScheduledBatch, before_launch, values_on_device: bool, tail: StepTail | None):
+        self.steps += 1
         shape = self._shape(scheduled)
         inputs = self.builder.inputs(scheduled, shape, values_on_device)
         if tail is not None:
             inputs.tail = tail.inputs
-        run = self._forward if tail is None else lambda step: tail.run(self._all_logits(step), step)
+        run = self._forward if tail is None else lambda step: tail.run(*self._all_logits(step), step)
         if not self.capture:
             inputs = inputs.to(self.builder.device)
             before_launch(inputs)
@@ -160,24 +164,22 @@ class DecodeGraphs:
         return captured.outputs
 
     def _real_rows(self, scheduled: ScheduledBatch, hidden: torch.Tensor, features: torch.Tensor | None
-                   ) -> torch.Tensor:
-        """The real rows' logits, in step order; their features (a drafter's input) go where the drafter reads
-        them. One token per request: a slice, no index to copy in the decode step."""
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The real rows' logits and features, in step order. One token per request: a slice, no index to copy
+        in the decode step."""
         rows = (slice(0, len(scheduled)) if self.tokens_per_request == 1 else
                 to_device(real_rows(scheduled, self.tokens_per_request), hidden.device))
-        if features is not None:
-            self.model.features = features[rows]
-        return self.model.project_vocab(hidden[rows])
+        return self.model.project_vocab(hidden[rows]), None if features is None else features[rows]
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every row's final hidden state, and the model's per-token features when it keeps any."""
         batch = self.builder.derive(inputs)
-        hidden = self.model.final_hidden(self.model(batch, self.cache)[batch.logits_rows])
-        return hidden, getattr(self.model, "features", None)
+        output = self.model(batch, self.cache)
+        return self.model.final_hidden(output.hidden[batch.logits_rows]), output.features
 
-    def _all_logits(self, inputs: StepInputs) -> torch.Tensor:
-        hidden, self.model.features = self._forward(inputs)
-        return self.model.project_vocab(hidden)
+    def _all_logits(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, features = self._forward(inputs)
+        return self.model.project_vocab(hidden), features
 
     def _capture(self, host_inputs: StepInputs, before_launch, run) -> _Captured:
         start = time.perf_counter()

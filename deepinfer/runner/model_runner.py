@@ -30,6 +30,8 @@ from deepinfer.plugins.interfaces import Sampler, SamplerOutput
 @dataclass(slots=True)
 class ForwardOutput:
     logits: torch.Tensor | None  # [sampled rows, vocab] in step order; None where no request samples
+    # [rows, F] what the drafter reads of every row (``ModelOutput.features``; a padded step's real rows only)
+    features: torch.Tensor | None
     started: torch.cuda.Event | None  # recorded right before the step's first kernel (CUDA only)
 
 
@@ -61,16 +63,17 @@ class ModelRunner:
             started = clock.event()
 
         if self.replays(scheduled):
-            logits = self.graphs.logits(scheduled, before_launch=lambda inputs: launch(inputs.token_ids))
+            logits, features = self.graphs.logits(scheduled, before_launch=lambda inputs: launch(inputs.token_ids))
         else:
             batch = self.batch_builder.build(scheduled)
             if self.context is not None:
                 batch.context = self.context.share(scheduled)
             launch(batch.token_ids)
-            streams = self.model(batch, self.cache)
-            logits = self.model.compute_logits(streams[batch.logits_rows]) if scheduled.sampling else None
+            output = self.model(batch, self.cache)
+            features = output.features
+            logits = self.model.compute_logits(output.hidden[batch.logits_rows]) if scheduled.sampling else None
         clock.lap("forward")
-        return ForwardOutput(logits, started)
+        return ForwardOutput(logits, features, started)
 
     def replays(self, scheduled: ScheduledBatch) -> bool:
         """Whether the step runs as a padded (CUDA-graph) step."""

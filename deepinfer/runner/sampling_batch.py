@@ -68,30 +68,29 @@ def build_sampling_batch(rows: list[tuple[Request, int]], vocab_size: int, devic
     ints = packed[:split].view(torch.int64).view(ints.shape)
     floats = packed[split:].view(torch.float32).view(floats.shape)
     penalised = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
-    return SamplingBatch(
-        temperature=floats[0],
-        top_k=ints[0],
-        top_p=floats[1],
-        min_p=floats[2],
-        presence_penalty=floats[3],
-        frequency_penalty=floats[4],
-        repetition_penalty=floats[5],
-        seeds=ints[1],
-        positions=ints[2],
-        prompt_token_ids=[r.prompt_token_ids for r in requests] if penalised else [],
-        output_token_ids=[r.output_token_ids + r.draft_token_ids[:j] for r, j in rows] if penalised else [],
-        blocked_token_ids=[_blocked(r, i) for r, i in zip(requests, index)],
-        any_penalties=penalised,
-        **asdict(SamplingFlags.of(params, vocab_size)),
-    )
+    return sampling_batch(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
+                          SamplingFlags.of(params, vocab_size), penalties=(floats[3], floats[4], floats[5]),
+                          any_penalties=penalised,
+                          prompt_token_ids=[r.prompt_token_ids for r in requests] if penalised else [],
+                          output_token_ids=[r.output_token_ids + r.draft_token_ids[:j] for r, j in rows]
+                          if penalised else [],
+                          blocked_token_ids=[_blocked(r, i) for r, i in zip(requests, index)])
 
 
-def device_sampling_batch(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                          seeds: torch.Tensor, positions: torch.Tensor, flags: SamplingFlags) -> SamplingBatch:
-    """A batch built on the device, from values already there (one per row), with no penalties and no blocked
-    tokens: nothing in it comes from the host, so a graph can hold the sampler that reads it."""
-    none = torch.zeros_like(temperature)
-    return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=none,
-                         frequency_penalty=none, repetition_penalty=none + 1, seeds=seeds, positions=positions,
-                         prompt_token_ids=[], output_token_ids=[], blocked_token_ids=[],
-                         any_penalties=False, **asdict(flags))
+def sampling_batch(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                   seeds: torch.Tensor, positions: torch.Tensor, flags: SamplingFlags,
+                   penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   any_penalties: bool = False, prompt_token_ids: list = (), output_token_ids: list = (),
+                   blocked_token_ids: list = ()) -> SamplingBatch:
+    """The sampler's batch of per-row tensors, wherever they are. Without ``penalties`` (presence, frequency,
+    repetition) and the host's lists nothing in it comes from the host, so a graph can hold the sampler that
+    reads it (the overlapped speculative steps build it so, from values already on the device)."""
+    if penalties is None:
+        none = torch.zeros_like(temperature)
+        penalties = none, none, none + 1
+    presence, frequency, repetition = penalties
+    return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
+                         frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, positions=positions,
+                         prompt_token_ids=list(prompt_token_ids), output_token_ids=list(output_token_ids),
+                         blocked_token_ids=list(blocked_token_ids), any_penalties=any_penalties,
+                         **asdict(flags))

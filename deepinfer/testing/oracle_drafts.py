@@ -25,7 +25,7 @@ class OracleDrafter:
         self.confidence, self.length = confidence, length
         self.batches: list[list[int]] = []  # the requests asked for, per step
 
-    def propose(self, requests, computed):
+    def propose(self, requests, computed, features):
         drafts = []
         self.batches.append([len(r.token_ids) for r in requests])
         for r in requests:
@@ -41,13 +41,65 @@ class OracleDrafter:
         return drafts
 
 
+def reference_verified_length(draft: Draft, limit: int, floor: float | None) -> int:
+    """``speculation.verified_lengths`` for one draft, written as the rule reads: the longest prefix (at most
+    ``limit``) whose survival, the product of its confidences, stays at or above ``floor``."""
+    length = min(limit, len(draft.token_ids))
+    if floor is None or draft.confidence is None:
+        return length
+    survival = 1.0
+    for position, confidence in enumerate(draft.confidence[:length]):
+        survival *= confidence
+        if survival < floor:
+            return position
+    return length
+
+
+def reference_accepted(drafts: list[int], sampled: list[int]) -> int:
+    """``speculation.accepted_counts`` for one request, written as the rule reads: leading drafts equal to the
+    token sampled at the row before each."""
+    count = 0
+    while count < len(drafts) and drafts[count] == sampled[count]:
+        count += 1
+    return count
+
+
 class DrafterPlugin:
     def __init__(self, drafter):
         self.drafter = drafter
 
     @hookimpl
-    def deepinfer_drafter(self, config, model):
+    def deepinfer_drafter(self, config, context):
         return self.drafter
+
+
+class Watched:
+    """A drafter whose ``propose`` / ``propose_on_device`` go through ``propose(real_method, *args)`` /
+    ``propose_on_device(real_method, *args)`` where given; everything else is the drafter's own."""
+
+    def __init__(self, drafter, propose=None, propose_on_device=None):
+        self.drafter = drafter
+        if propose is not None:
+            self.propose = lambda *args: propose(drafter.propose, *args)
+        if propose_on_device is not None:
+            self.propose_on_device = lambda *args: propose_on_device(drafter.propose_on_device, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+
+class WatchingPlugin:
+    """Serves the drafter the hook of ``plugin`` builds, from the ``DraftContext`` ``context(c)`` makes of the
+    engine's, as a ``Watched`` drafter: how a test watches a real drafter, passed in through the hook rather than
+    swapped into a built engine."""
+
+    def __init__(self, plugin, context=None, **watch):
+        self.plugin, self.context, self.watch = plugin, context, watch
+
+    @hookimpl
+    def deepinfer_drafter(self, config, context):
+        drafter = self.plugin.deepinfer_drafter(config, context if self.context is None else self.context(context))
+        return None if drafter is None else Watched(drafter, **self.watch)
 
 
 def generate_with(checkpoint, prompts, params, drafter=None, plugin="oracle-drafts", **engine_args):

@@ -93,14 +93,17 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Write config.json, model.safetensors (random weights, released format) and a tokenizer; return the dir."""
     from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from deepinfer.models.contract import Backends
     from deepinfer.plugins.builtin.torch_attention import TorchAttention
+    from deepinfer.plugins.builtin.torch_linear import TorchLinear
     from deepinfer.plugins.builtin.torch_mhc import TorchMHC
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
 
     out = Path(out_dir)
     d, tokenizer = write_v41_config(out, {**TINY_V41, **overrides})
     config = DeepseekV41ModelConfig.from_dict(d)
-    model = DeepseekV41ForCausalLM(config, TorchAttention(), TorchMoE(), TorchMHC(), torch.float32, tokenizer)
+    model = DeepseekV41ForCausalLM(config, Backends(TorchAttention(), TorchMoE(), TorchLinear(), TorchMHC()),
+                                   torch.float32, tokenizer)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, spec in model.expected_tensors().items():

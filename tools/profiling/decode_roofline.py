@@ -29,8 +29,10 @@ import torch
 from deepinfer.runtime.linear import quantizable_weights
 from deepinfer.loading.tokenizer import load_tokenizer
 from deepinfer.loading.weights import dummy_layout
+from deepinfer.models.contract import Backends
 from deepinfer.models.registry import model_class, model_config
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
+from deepinfer.plugins.builtin.torch_linear import TorchLinear
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 
@@ -40,7 +42,7 @@ def tensor_sizes(model_dir: Path) -> tuple[dict[str, tuple[int, int]], object]:
     config = model_config(model_dir)
     dtype = getattr(torch, str(config.dtype).removeprefix("torch.")) if config.dtype else torch.bfloat16
     with torch.device("meta"):
-        model = model_class(config)(config, TorchAttention(), TorchMoE(), TorchMHC(), dtype,
+        model = model_class(config)(config, Backends(TorchAttention(), TorchMoE(), TorchLinear(), TorchMHC()), dtype,
                                     tokenizer=load_tokenizer(model_dir))
     expected = model.expected_tensors()
     quantizable = quantizable_weights(model, model.checkpoint_name) if config.quantization_config else set()

@@ -15,6 +15,7 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig, inv_freq
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
 from deepinfer.models.deepseek_v4.mhc import HyperConnection, HyperHead
 from deepinfer.models.deepseek_v4.moe import MoE
+from deepinfer.models.contract import Backends, ModelOutput
 from deepinfer.plugins.interfaces import AttentionBackend, MHCBackend, MoEBackend
 
 # Tensors that stay fp32 whatever the model dtype: as the checkpoints ship them, and the router's weight, which it
@@ -54,11 +55,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     decoder_start = None  # every layer keeps full-context state: no window-only decoder layers to replay
     host_inputs = None  # no per-token inputs beyond the slot tensors
 
-    def __init__(self, config: DeepseekV4ModelConfig, attention: AttentionBackend, moe: MoEBackend, mhc: MHCBackend,
-                 dtype: torch.dtype, tokenizer=None):
+    def __init__(self, config: DeepseekV4ModelConfig, backends: Backends, dtype: torch.dtype, tokenizer=None,
+                 keep_features: bool = False):
         super().__init__()
         c = self.config = config
         self.dtype = dtype
+        self.backends = backends
+        attention, moe, mhc = backends.attention, backends.moe, backends.mhc
         self.rotary_main = Rotary(inv_freq(c, compressed=False), attention)
         self.rotary_compress = Rotary(inv_freq(c, compressed=True), attention)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -69,9 +72,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, attention)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        # a drafter (classic MTP) asks for the final streams of every token: ``features`` [T, hc_mult * hidden]
-        self.keep_features = False
-        self.features: torch.Tensor | None = None
+        # classic MTP drafts from every token's final streams: ``ModelOutput.features`` [T, hc_mult * hidden]
+        self.keep_features = keep_features
         cast_floating(self, dtype, keeps_fp32)
         self.requires_grad_(False)
 
@@ -117,8 +119,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return kinds
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch, caches: KVCache) -> torch.Tensor:
-        """Returns the mHC streams [T, hc_mult, hidden] of every token in the step."""
+    def forward(self, batch: ForwardBatch, caches: KVCache) -> ModelOutput:
+        """The mHC streams [T, hc_mult, hidden] of every token in the step."""
         for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
             meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         batch = batch.own_rows()  # context parallelism: this rank's tokens (otherwise all of them)
@@ -131,8 +133,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.layers:
             streams = layer(streams, batch, phases[layer.attn.rotary], caches)
         streams = batch.gather(streams)
-        self.features = streams.flatten(1) if self.keep_features else None
-        return streams
+        return ModelOutput(streams, streams.flatten(1) if self.keep_features else None)
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """The streams collapsed and normalized: what the vocabulary projection reads."""

@@ -34,6 +34,7 @@ from deepinfer.models.deepseek_v41.attention import Attention, Selection
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.engram import Engram, NgramHasher
 from deepinfer.models.deepseek_v41.layers import ComplexRotary, MixPredictor
+from deepinfer.models.contract import Backends, ModelOutput
 from deepinfer.plugins.interfaces import AttentionBackend, MoEBackend, MHCBackend
 
 logger = init_logger(__name__)
@@ -101,11 +102,13 @@ class Block(nn.Module):
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    def __init__(self, config: DeepseekV41ModelConfig, attention: AttentionBackend, moe: MoEBackend,
-                 mhc: MHCBackend, dtype: torch.dtype, tokenizer=None):
+    def __init__(self, config: DeepseekV41ModelConfig, backends: Backends, dtype: torch.dtype, tokenizer=None,
+                 keep_features: bool = False):
         super().__init__()
         c = self.config = config
         self.dtype = dtype
+        self.backends = backends
+        attention, moe, mhc = backends.attention, backends.moe, backends.mhc
         self.rotary_main = ComplexRotary(c, compressed=False, backend=attention)
         self.rotary_compress = ComplexRotary(c, compressed=True, backend=attention)
         self.mhc = mhc
@@ -126,9 +129,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         # the first window-only decoder layer: every layer after the last KV source keeps only its sliding window
         # of KV, so SWA bounded replay may run these on a suffix of each prompt (``ForwardBatch.replay``)
         self.decoder_start = max(c.kv_source_layer_ids) + 1
-        # layers whose input a drafter reads (``features`` holds the last forward's, [T, layers * hidden])
-        self.feature_layers: tuple[int, ...] = ()
-        self.features: torch.Tensor | None = None
+        # the layers whose input the checkpoint's DSpark stages read (``ModelOutput.features``, [T, layers * hidden])
+        self.feature_layers: tuple[int, ...] = (
+            tuple(int(i) for i in c.dspark["dspark_target_layer_ids"]) if keep_features and c.dspark else ())
         self.requires_grad_(False)
 
     # -- weights ------------------------------------------------------------------------------
@@ -207,7 +210,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return kinds
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch, caches: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, caches: KVCache) -> ModelOutput:
         """The collapsed hidden state [T, hidden] of every token in the step (before the final norm)."""
         for meta in batch.compressed.values():  # every compressed layer rotates its new entries by these
             meta.close_phases = self.rotary_compress.phases(meta.close_positions)
@@ -240,15 +243,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         if replay is not None:  # back in step order; rows the decoder skipped stay zero (they need no logits)
             hidden = scatter_rows(hidden, replay.rows, x.shape[0])
             features = [f if f.shape[0] == x.shape[0] else scatter_rows(f, replay.rows, x.shape[0]) for f in features]
-        self.features = torch.cat(features, dim=-1) if features else None
-        return own.gather(hidden)
+        return ModelOutput(own.gather(hidden), torch.cat(features, dim=-1) if features else None)
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The normalized hidden state, fp32: what the vocabulary projection reads."""
         return self.norm(hidden).float()
 
     def project_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of fp32 hidden states, by the linear backend (attached by the loader)."""
+        """fp32 logits of fp32 hidden states, by the linear backend."""
         return self.backends.linear.logits(hidden, self.head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.models.contract import DraftContext
 from deepinfer.models.deepseek_v41.dspark import DraftInputs, DSparkDraft
 from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer_mtp.context_pool import ContextPool
@@ -19,33 +20,32 @@ from deepinfer_mtp.pooled_drafter import PooledDrafter
 class DSparkDrafter(PooledDrafter):
     name = "dspark"
 
-    def __init__(self, model, draft: DSparkDraft, max_requests: int):
-        self.model, self.draft = model, draft
-        self.device = model.embed.weight.device
+    def __init__(self, context: DraftContext, draft: DSparkDraft, max_requests: int):
+        self.context, self.draft = context, draft
+        self.device = context.device
         first = draft.layers[0].main_proj.weight
-        self.pool = ContextPool(max_requests, model.config.window, model.config.hidden_size, first.dtype, self.device)
-        model.feature_layers = draft.target_layers  # the target's forward keeps these layers' inputs
+        self.pool = ContextPool(max_requests, context.config.window, context.config.hidden_size, first.dtype,
+                                self.device)
 
     def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and confidences [B, block] for ``inputs`` [3, B] (anchor ids, their positions, context slots);
         no host synchronisation, so a graph can hold it."""
         anchors, positions, slots = inputs
-        draft, model = self.draft, self.model
-        heads = draft(DraftInputs(anchors, positions, self.pool.rows[slots], self.pool.positions[slots]), model.embed)
+        draft, target = self.draft, self.context
+        heads = draft(DraftInputs(anchors, positions, self.pool.rows[slots], self.pool.positions[slots]), target.embed)
         previous, tokens, confidences = anchors, [], []
         for position in range(draft.block_size):  # left to right: the Markov head reads the token before
-            logits, confidence = draft.markov(previous, heads, position, model.project_vocab)
+            logits, confidence = draft.markov(previous, heads, position, target.project_vocab)
             previous = logits.argmax(dim=-1)
             tokens.append(previous)
             confidences.append(confidence)
         return torch.stack(tokens, 1), torch.stack(confidences, 1)
 
-    def _store(self, computed: list[ComputedRows]) -> None:
+    def _store(self, computed: list[ComputedRows], features: torch.Tensor | None) -> None:
         """The kept rows of the last step into each request's context (projected once, all requests together)."""
-        features = self.model.features
         if features is None:
             raise RuntimeError("DSpark drafting needs the target's features from every step, and the last step "
-                               "produced none: the model's feature_layers were reset")
+                               "produced none: the model was built without keep_features")
         # only the last ``window`` rows of each request can be read again (a long prefill computes many more)
         window = self.pool.window
         rows, positions, slots = [], [], []
@@ -57,7 +57,7 @@ class DSparkDrafter(PooledDrafter):
         if not rows or not sum(len(r) for r in rows):
             return
         index = torch.stack([torch.cat(rows), torch.cat(positions), torch.cat(slots)]).to(self.device)
-        self._write(index[0], index[1], index[2], None, None, None)
+        self._write(features, index[0], index[1], index[2], None, None, None)
 
-    def _write(self, rows, positions, slots, next_tokens, last_slots, last_rows) -> None:
-        self.pool.write(slots, positions, self.draft.project_context(self.model.features[rows]))
+    def _write(self, features, rows, positions, slots, next_tokens, last_slots, last_rows) -> None:
+        self.pool.write(slots, positions, self.draft.project_context(features[rows]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.models.contract import DraftContext
 from deepinfer.models.deepseek_v4.mtp import MTPLayer
 from deepinfer.plugins.interfaces import ComputedRows
 from deepinfer_mtp.context_pool import ContextPool
@@ -17,41 +18,40 @@ class MTPDrafter(PooledDrafter):
     name = "mtp"
     anchor_back = 2  # the chain starts at the position before the last token: the target's streams there
 
-    def __init__(self, model, layer: MTPLayer, max_requests: int, num_drafts: int):
-        self.model, self.layer, self.num_drafts = model, layer, num_drafts
-        c = model.config
-        self.device = model.embed.weight.device
+    def __init__(self, context: DraftContext, layer: MTPLayer, max_requests: int, num_drafts: int):
+        self.context, self.layer, self.num_drafts = context, layer, num_drafts
+        c = context.config
+        self.device = context.device
         # the chain writes rows up to num_drafts - 1 positions past the anchor, while the anchor's window is kept
-        self.pool = ContextPool(max_requests, c.window, c.head_dim, model.dtype, self.device, lookahead=num_drafts)
+        self.pool = ContextPool(max_requests, c.window, c.head_dim, context.dtype, self.device, lookahead=num_drafts)
         # per slot: the target's final streams at the last position it computed (the chain's first input)
-        self.streams = torch.zeros(max_requests + 1, c.hc_mult, c.hidden_size, dtype=model.dtype, device=self.device)
-        model.keep_features = True  # the target's forward keeps every token's final streams
+        self.streams = torch.zeros(max_requests + 1, c.hc_mult, c.hidden_size, dtype=context.dtype,
+                                   device=self.device)
 
     def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor]:
         """Draft tokens [B, num_drafts] for ``inputs`` [3, B] (the tokens after each chain's first position, that
         position, the slot); no host synchronisation, so a graph can hold it."""
         tokens, positions, slots = inputs
-        layer, model, pool = self.layer, self.model, self.pool
+        layer, target, pool = self.layer, self.context, self.pool
         streams = self.streams[slots]
         rows = pool.rows.flatten(0, 1)
         drafts = []
         for step in range(self.num_drafts):
             at = positions + step
             index = pool.visible(slots, at, own_row=True)
-            phases = model.rotary_main.phases(at)
-            mixed = layer.mix(model.embed(tokens), streams)
+            phases = target.rotary.phases(at)
+            mixed = layer.mix(target.embed(tokens), streams)
             streams = layer(mixed, phases, rows, index, lambda kv, at=at: pool.write(slots, at, kv))
-            tokens = model.project_vocab(layer.final_hidden(streams)).argmax(dim=-1)
+            tokens = target.project_vocab(layer.final_hidden(streams)).argmax(dim=-1)
             drafts.append(tokens)
         return (torch.stack(drafts, 1),)
 
-    def _store(self, computed: list[ComputedRows]) -> None:
+    def _store(self, computed: list[ComputedRows], features: torch.Tensor | None) -> None:
         """The layer's window rows for the last ``window`` positions each request computed in the last step (the
         ones later positions attend to), and the target's streams at its last one."""
-        features = self.model.features
         if features is None:
             raise RuntimeError("MTP drafting needs the target's final streams from every step, and the last step "
-                               "produced none: the model's keep_features was reset")
+                               "produced none: the model was built without keep_features")
         window, rows, positions, next_tokens, slots, last = self.pool.window, [], [], [], [], []
         for c in computed:
             # a row at position p pairs with the token at p + 1, which every computed row but a pending one has
@@ -70,11 +70,10 @@ class MTPDrafter(PooledDrafter):
         index = torch.stack([torch.cat(rows), torch.cat(positions), torch.cat(next_tokens), torch.cat(slots)])
         index = index.to(self.device)
         last = torch.tensor(last).to(self.device)
-        self._write(index[0], index[1], index[3], index[2], last[:, 0], last[:, 1])
+        self._write(features, index[0], index[1], index[3], index[2], last[:, 0], last[:, 1])
 
-    def _write(self, rows, positions, slots, next_tokens, last_slots, last_rows) -> None:
-        features = self.model.features
+    def _write(self, features, rows, positions, slots, next_tokens, last_slots, last_rows) -> None:
         streams = features[rows].view(len(rows), *self.streams.shape[1:])
-        mixed = self.layer.mix(self.model.embed(next_tokens), streams)
-        self.pool.write(slots, positions, self.layer.window_rows(mixed, self.model.rotary_main.phases(positions)))
+        mixed = self.layer.mix(self.context.embed(next_tokens), streams)
+        self.pool.write(slots, positions, self.layer.window_rows(mixed, self.context.rotary.phases(positions)))
         self.streams[last_slots] = features[last_rows].view(len(last_rows), *self.streams.shape[1:])

@@ -14,6 +14,7 @@ from deepinfer.models.deepseek_v4.mtp import MTPLayer
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDraft
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM, keeps_fp32
+from deepinfer.models.contract import DraftContext
 from deepinfer.models.loader import load_part
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer_mtp.dspark_drafter import DSparkDrafter
@@ -32,19 +33,19 @@ def _mtp_layer_name(name: str) -> str | None:
 
 
 @hookimpl
-def deepinfer_drafter(config, model):
+def deepinfer_drafter(config, context):
     varlen = config.enable_mtp_varlen
     if varlen is None:  # unset: no speculative decoding (1: confidence-scheduled lengths, 0: fixed length)
         return None
     switch = f"DEEPINFER_ENABLE_MTP_VARLEN={int(varlen)}"
-    c = getattr(model, "config", None)
+    c = context.config
     # the switch asks for drafts: a model that cannot have them is an error, not a silent run without speculation
     if isinstance(c, DeepseekV41ModelConfig):
-        return _dspark(config, model, c, switch)
+        return _dspark(config, context, c, switch)
     if isinstance(c, DeepseekV4ModelConfig):
-        return _mtp(config, model, c, switch)
+        return _mtp(config, context, c, switch)
     raise ValueError(f"{switch}: drafts serve DeepSeek-V4 (classic MTP) and V4.1 (DSpark) models, not "
-                     f"{type(model).__name__}. Unset it for this model")
+                     f"{type(c).__name__}. Unset it for this model")
 
 
 def _refuse_dummy(config, switch: str) -> None:
@@ -53,33 +54,33 @@ def _refuse_dummy(config, switch: str) -> None:
                          "Load real weights or unset it")
 
 
-def _dspark(config, model, c: DeepseekV41ModelConfig, switch: str) -> DSparkDrafter:
+def _dspark(config, context: DraftContext, c: DeepseekV41ModelConfig, switch: str) -> DSparkDrafter:
     if not c.num_nextn_predict_layers or not c.dspark:
         raise ValueError(f"{switch}: this checkpoint has no DSpark draft stages (num_nextn_predict_layers is 0). "
                          "Unset it for this model")
     _refuse_dummy(config, switch)
-    backends = model.backends
+    backends = context.backends
     with torch.device("meta"):
-        draft = DSparkDraft(c, model.rotary_main, backends.attention, backends.moe, backends.mhc)
-    cast_floating(draft, model.dtype, keeps_fp32)
+        draft = DSparkDraft(c, context.rotary, backends.attention, backends.moe, backends.mhc)
+    cast_floating(draft, context.dtype, keeps_fp32)
     load_part(draft, c, resolve_model_dir(config.model), DeepseekV41ForCausalLM.checkpoint_name, _draft_stage_name,
-              backends.linear, model.embed.weight.device, config.quantization)
+              backends.linear, context.device, config.quantization)
     draft.requires_grad_(False)
-    return DSparkDrafter(model, draft, config.max_num_seqs)
+    return DSparkDrafter(context, draft, config.max_num_seqs)
 
 
-def _mtp(config, model, c: DeepseekV4ModelConfig, switch: str) -> MTPDrafter:
+def _mtp(config, context: DraftContext, c: DeepseekV4ModelConfig, switch: str) -> MTPDrafter:
     if not c.num_nextn_predict_layers:
         raise ValueError(f"{switch}: this checkpoint has no MTP layer (num_nextn_predict_layers is 0). Unset it "
                          "for this model")
     _refuse_dummy(config, switch)
-    backends = model.backends
+    backends = context.backends
     holder = torch.nn.Module()
     with torch.device("meta"):
-        holder.layers = torch.nn.ModuleList([MTPLayer(c, model.rotary_main, backends.attention, backends.moe,
+        holder.layers = torch.nn.ModuleList([MTPLayer(c, context.rotary, backends.attention, backends.moe,
                                                       backends.mhc)])
-    cast_floating(holder, model.dtype, v4_keeps_fp32)
+    cast_floating(holder, context.dtype, v4_keeps_fp32)
     load_part(holder, c, resolve_model_dir(config.model), DeepseekV4ForCausalLM.checkpoint_name, _mtp_layer_name,
-              backends.linear, model.embed.weight.device, config.quantization)
+              backends.linear, context.device, config.quantization)
     holder.requires_grad_(False)
-    return MTPDrafter(model, holder.layers[0], config.max_num_seqs, config.num_speculative_tokens)
+    return MTPDrafter(context, holder.layers[0], config.max_num_seqs, config.num_speculative_tokens)

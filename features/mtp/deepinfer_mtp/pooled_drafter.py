@@ -11,8 +11,9 @@ from deepinfer_mtp.draft_graphs import DraftGraphs
 
 
 class PooledDrafter:
-    """Subclasses set ``pool`` and ``device`` and define ``_store(computed)`` (the last step's rows into the
-    pool, from the host's bookkeeping), ``_write(...)`` (the same on the device, which ``_store`` ends with) and
+    """Subclasses set ``pool`` and ``device`` and define ``_store(computed, features)`` (the last step's rows
+    into the pool, from the host's bookkeeping), ``_write(...)`` (the same on the device, which ``_store`` ends
+    with) and
     ``_draft(inputs [3, B]) -> tensors [B, ...]`` (each output row's values become one ``Draft``'s fields, in
     order). A pass starts ``anchor_back`` positions before the end of a request's tokens."""
 
@@ -25,8 +26,8 @@ class PooledDrafter:
         """The engine replays its decode steps from CUDA graphs: replay the draft pass from graphs too."""
         self.graphs = DraftGraphs(self._draft, batch_sizes, self.pool.empty, self.device)
 
-    def propose(self, requests: list, computed: list[ComputedRows]) -> list[Draft]:
-        self._store(computed)
+    def propose(self, requests: list, computed: list[ComputedRows], features: torch.Tensor | None) -> list[Draft]:
+        self._store(computed, features)
         self.pool.release_finished()
         if not requests:
             return []
@@ -45,7 +46,8 @@ class PooledDrafter:
         return [self.pool.slot(r) for r in requests]
 
     def propose_on_device(self, slots: torch.Tensor, positions: torch.Tensor, rows: int, kept: torch.Tensor,
-                          sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          sampled: torch.Tensor, features: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``Drafter.propose_on_device``: the step's rows into the pool (the kept ones; the others, and padding
         requests', go to the empty slot, whose rows no request reads), then one draft pass from each request's new
         last token. It runs inside the engine's step graph, or eagerly where the engine captures none: never from
@@ -56,19 +58,19 @@ class PooledDrafter:
         # a ring of ``length`` rows holds the last ``window`` positions: older kept rows would wrap onto newer ones
         keep = (offsets < kept.unsqueeze(1)) & (offsets >= kept.unsqueeze(1) - self.pool.window)
         first_row = torch.arange(len(slots), device=device) * rows
-        self._write((first_row.unsqueeze(1) + offsets).flatten(), (positions.unsqueeze(1) + offsets).flatten(),
+        self._write(features, (first_row.unsqueeze(1) + offsets).flatten(), (positions.unsqueeze(1) + offsets).flatten(),
                     torch.where(keep, slots.unsqueeze(1), self.pool.empty).flatten(), sampled.flatten(),
                     slots, first_row + kept - 1)
         last = sampled.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
         outputs = self._draft(torch.stack([last, positions + kept + 1 - self.anchor_back, slots]))
         return outputs[0], outputs[1] if len(outputs) > 1 else None
 
-    def _store(self, computed: list[ComputedRows]) -> None:
+    def _store(self, computed: list[ComputedRows], features: torch.Tensor | None) -> None:
         raise NotImplementedError
 
-    def _write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, next_tokens: torch.Tensor,
-               last_slots: torch.Tensor, last_rows: torch.Tensor) -> None:
-        """On the device: the step's ``rows`` [N] (into the model's features) at ``positions`` [N] of pool
+    def _write(self, features: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               next_tokens: torch.Tensor, last_slots: torch.Tensor, last_rows: torch.Tensor) -> None:
+        """On the device: the step's ``rows`` [N] (into its ``features``) at ``positions`` [N] of pool
         ``slots`` [N], each paired with the token after it, ``next_tokens`` [N]; ``last_rows`` [B]: each request's
         last kept row, in ``last_slots`` [B]."""
         raise NotImplementedError
