@@ -6,7 +6,7 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu/gpu_mxfp4.py; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
+# kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu/gpu_mxfp4.py; MXFP4_TESTS narrows its tests; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), flash and flashprev (flash4L decode at FLASH_BATCHES, this tree and .prev's), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
@@ -118,8 +118,8 @@ if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then to
 fi
 if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
     stamp mxfp4
-    timeout ${TESTS_TIMEOUT:-240} python -m pytest -q -x tests/test_nvidia_moe_mxfp4.py tests/test_nvidia_moe.py \
-        tests/test_nvidia_moe_grouped.py 2>&1 | tee "$out/mxfp4_tests.txt" | tail -4
+    timeout ${TESTS_TIMEOUT:-240} python -m pytest -q -x ${MXFP4_TESTS:-tests/test_nvidia_moe_mxfp4.py tests/test_nvidia_moe.py \
+        tests/test_nvidia_moe_grouped.py} 2>&1 | tee "$out/mxfp4_tests.txt" | tail -4
     # the peers (humming-kernels, triton_kernels: tools/gpu/mxfp4_peers.py) come along in .peers (carried), never committed
     [[ "${MXFP4_ARGS:-}" == *--peers* && -d .peers ]] && bash .peers/install.sh 2>&1 | tail -12
     timeout ${MXFP4_TIMEOUT:-360} python tools/gpu/gpu_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -40
@@ -255,6 +255,20 @@ if has structured; then  # a JSON schema's per-step cost at batch 32, grammar ma
     stamp "structured"
     timeout 300 "${bench[@]}" structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 --output-len 64 \
         --output-json "$out/structured.json" 2>&1 | grep -vE "INFO" | tail -8
+fi
+if has flash; then  # flash4L decode alone (no HF run): this tree, at FLASH_BATCHES
+    for b in ${FLASH_BATCHES:-1 16 64}; do
+        latency flash_b$b --batch-size $b --input-len 512 --output-len 64
+    done
+fi
+if has flashprev; then  # the same from the previous commit's tree in .prev (git archive; carried), as the peer
+    for b in ${FLASH_BATCHES:-1 16 64}; do
+        stamp "latency flash_b${b} (previous commit)"
+        (cd .prev && PYTHONPATH="$PWD:$PWD/backends/nvidia" timeout 300 python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); from deepinfer.cli import main; main()" \
+            bench latency --model /tmp/flash4L --load-format dummy --dtype bfloat16 --num-iters-warmup 1 --num-iters 3 \
+            --batch-size $b --input-len 512 --output-len 64 --output-json "$out/latency_flashprev_b$b.json" 2>&1 | grep -E "Error|error|Killed" | tail -4)
+        python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_flashprev_b$b.json" 2>&1
+    done
 fi
 if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
