@@ -336,11 +336,12 @@ def _reduce_splits(parts_ptr, out_ptr, N, stride_split, limit, SPLITS: tl.conste
 
 # (BN weight rows, warps, pipeline stages, chunks per loop step) per rows-per-block bucket, the fastest of
 # tools/gpu/gpu_mxfp4.py's sweep on the H200 (BENCHMARKS.md). Four chunks a step spread the pipeline's per-step
-# bookkeeping (stage indices, a barrier, loop control) over 256 columns: 119 SASS per chunk in the 16-row loop, against
-# 151 at one chunk a step (ptxas 12.8); the 64-row tile keeps one, whose four would take 180 KB of shared memory (one
-# program per SM). With 64-row blocks, BN = 64 and 4 warps gave non-finite, unrepeatable results under Triton 3.6's
-# ptxas 12.8 (the register-operand wgmma hazard that CUDA 13.3's ptxas fixes): 128-row tiles only there.
-TILES = {16: (64, 4, 3, 4), 64: (128, 8, 4, 1)}
+# bookkeeping (stage indices, a barrier, loop control) over 256 columns: 119 SASS per chunk in the 16-row loop against
+# 151 at one chunk a step (ptxas 12.8), and 1.15x the speed at 16-64 tokens with two stages (three measured 12% slower
+# there). The 64-row tile keeps one chunk a step: four would take 180 KB of shared memory (one program per SM). With
+# 64-row blocks, BN = 64 and 4 warps gave non-finite, unrepeatable results under Triton 3.6's ptxas 12.8 (the
+# register-operand wgmma hazard that CUDA 13.3's ptxas fixes): 128-row tiles only there.
+TILES = {16: (64, 4, 2, 4), 64: (128, 8, 4, 1)}
 
 
 # A launch with fewer programs than this many per SM leaves the SMs' schedulers short of warps to hide the decode's
