@@ -261,29 +261,27 @@ if has flash; then  # flash4L decode alone (no HF run): this tree, at FLASH_BATC
         latency flash_b$b --batch-size $b --input-len 512 --output-len 64
     done
 fi
-if has flashprev; then  # the same from the previous commit's tree in .prev (git archive; carried), as the peer
-    for b in ${FLASH_BATCHES:-1 16 64}; do
-        stamp "latency flash_b${b} (previous commit)"
-        (cd .prev && PYTHONPATH="$PWD:$PWD/backends/nvidia" timeout 300 python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); from deepinfer.cli import main; main()" \
-            bench latency --model /tmp/flash4L --load-format dummy --dtype bfloat16 --num-iters-warmup 1 --num-iters 3 \
-            --batch-size $b --input-len 512 --output-len 64 --output-json "$out/latency_flashprev_b$b.json" 2>&1 | grep -E "Error|error|Killed" | tail -4)
-        python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_flashprev_b$b.json" 2>&1
+prev_latency() {  # name, model, batches: bench latency from the previous commit's tree in .prev (git archive; carried)
+    local name=$1 model=$2 b; shift 2
+    for b in "$@"; do
+        stamp "latency ${name}_b$b (previous commit)"
+        (cd .prev && PYTHONPATH="$PWD:$PWD/backends/nvidia" timeout 400 python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); from deepinfer.cli import main; main()" \
+            bench latency --model $model --load-format dummy --dtype bfloat16 --num-iters-warmup 1 --num-iters 3 \
+            --batch-size $b --input-len 512 --output-len 64 --output-json "$out/latency_${name}_b$b.json" 2>&1 | grep -E "Error|error|Killed" | tail -4)
+        python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_${name}_b$b.json" 2>&1
     done
+}
+if has flashprev; then  # the same from the previous commit's tree, as the peer
+    prev_latency flashprev /tmp/flash4L ${FLASH_BATCHES:-1 16 64}
 fi
 if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     model=/tmp/v41flash8L latency v41_b1 --batch-size 1 --input-len 512 --output-len 64
     model=/tmp/v41flash8L latency v41_b64 --batch-size 64 --input-len 512 --output-len 64
 fi
-if has v41prev; then  # the same two runs from the previous commit's tree in .prev (git archive; carried), as the peer
+if has v41prev; then  # the same two runs from the previous commit's tree, as the peer
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
-    for b in ${V41_BATCHES:-1 64}; do
-        stamp "latency v41_b${b} (previous commit)"
-        (cd .prev && PYTHONPATH="$PWD:$PWD/backends/nvidia" timeout 400 python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); from deepinfer.cli import main; main()" \
-            bench latency --model /tmp/v41flash8L --load-format dummy --dtype bfloat16 --num-iters-warmup 1 --num-iters 3 \
-            --batch-size $b --input-len 512 --output-len 64 --output-json "$out/latency_v41prev_b$b.json" 2>&1 | grep -E "Error|error|Killed" | tail -4)
-        python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_v41prev_b$b.json" 2>&1
-    done
+    prev_latency v41prev /tmp/v41flash8L ${V41_BATCHES:-1 64}
 fi
 if has v41profile; then  # where V4.1's batch-1 decode step spends its device time: replayed graphs, kernels by device time
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
