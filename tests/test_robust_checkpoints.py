@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM
 from deepinfer.loading.checkpoint import CheckpointIndex
-from deepinfer.models.registry import model_config
+from deepinfer.loading.model_registry import model_config
 from deepinfer.testing.tiny_v41 import build_tiny_v41
 
 ERRORS = (ValueError, FileNotFoundError)

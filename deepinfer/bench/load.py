@@ -105,8 +105,8 @@ def measure(model_dir: Path, device: torch.device, quantization: str) -> dict:
 
     from deepinfer.engine.config import EngineConfig
     from deepinfer.loading.tokenizer import load_tokenizer
-    from deepinfer.models.loader import load_model
-    from deepinfer.models.registry import model_config
+    from deepinfer.loading.model_loader import load_model
+    from deepinfer.loading.model_registry import model_config
     from deepinfer.plugins.builtin.torch_attention import TorchAttention
     from deepinfer.plugins.builtin.torch_linear import TorchLinear
     from deepinfer.plugins.builtin.torch_mhc import TorchMHC

@@ -222,7 +222,7 @@ def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     from deepinfer.loading.model_source import resolve_model_dir
-    from deepinfer.models.registry import model_config
+    from deepinfer.loading.model_registry import model_config
 
     results = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -19,8 +19,8 @@ from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
 from deepinfer.engine.steps import StepContext
 from deepinfer.loading.tokenizer import load_tokenizer
 from deepinfer.logger import init_logger
-from deepinfer.models.loader import load_model
-from deepinfer.models.registry import model_config
+from deepinfer.loading.model_loader import load_model
+from deepinfer.loading.model_registry import model_config
 from deepinfer.parallel.context_parallel import ContextParallel
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.ranks import Ranks

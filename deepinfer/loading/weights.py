@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.loading.checkpoint import CheckpointIndex, StoredTensor, mapped_tensor
+from deepinfer.models.contract import CheckpointNaming
 from deepinfer.runtime.quantization import MX_BLOCK, dequantize, infer_block, logical_shape, scale_shape
 
 logger = logging.getLogger(__name__)
@@ -75,19 +76,6 @@ class _Part:
 def _expert_name(stacked: str, expert: int) -> str:
     prefix, leaf = stacked.rsplit(".experts.", 1)
     return f"{prefix}.experts.{expert}.{leaf}"
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointNaming:
-    """How a model family's checkpoints name their tensors (each family's ``weight_names.py`` gives one).
-
-    ``canonical``: a stored name -> the model's name, None for a tensor the model does not load. ``split``: a
-    canonical-named tensor -> the canonical tensors it holds (itself, unless it fuses several). ``expert_slot``: a
-    per-expert name -> (the name of the stacked tensor it fills, its expert index), None for other tensors."""
-
-    canonical: Callable[[str], str | None]
-    split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
-    expert_slot: Callable[[str], tuple[str, int] | None]
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""What an engine model class accepts and returns (docs/architecture.md, "Model contract").
+"""What an engine model class accepts and returns (docs/architecture.md, "Model contract"), and how its checkpoints
+name their tensors (``CheckpointNaming``).
 
 A model is built as ``Model(config, backends, dtype, tokenizer=None, keep_features=False)`` and its forward pass
 is ``model(batch, caches) -> ModelOutput``. What a drafter reads comes back in that output, so nothing downstream
@@ -16,6 +17,19 @@ import torch
 from torch import nn
 
 from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBackend, MoEBackend
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointNaming:
+    """How a model family's checkpoints name their tensors (each family's ``weight_names.py`` gives one).
+
+    ``canonical``: a stored name -> the model's name, None for a tensor the model does not load. ``split``: a
+    canonical-named tensor -> the canonical tensors it holds (itself, unless it fuses several). ``expert_slot``: a
+    per-expert name -> (the name of the stacked tensor it fills, its expert index), None for other tensors."""
+
+    canonical: Callable[[str], str | None]
+    split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+    expert_slot: Callable[[str], tuple[str, int] | None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from deepinfer.runtime.linear import quantizable_weights
 from deepinfer.loading.tokenizer import load_tokenizer
 from deepinfer.loading.weights import dummy_layout
 from deepinfer.models.contract import Backends
-from deepinfer.models.registry import model_class, model_config
+from deepinfer.loading.model_registry import model_class, model_config
 from deepinfer.plugins.builtin.torch_attention import TorchAttention
 from deepinfer.plugins.builtin.torch_linear import TorchLinear
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC

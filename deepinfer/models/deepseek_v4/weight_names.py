@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from deepinfer.loading.weights import CheckpointNaming
+from deepinfer.models.contract import CheckpointNaming
 
 # Applied in order to the name without its "model." prefix; each rule only rewrites HF spellings.
 _RENAMES = [

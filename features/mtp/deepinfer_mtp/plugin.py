@@ -15,7 +15,7 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDraft
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM, keeps_fp32
 from deepinfer.models.contract import DraftContext
-from deepinfer.models.loader import load_part
+from deepinfer.loading.model_loader import load_part
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer_mtp.dspark_drafter import DSparkDrafter
 from deepinfer_mtp.mtp_drafter import MTPDrafter

@@ -11,7 +11,7 @@ from deepinfer.runtime.linear import fuse_shared_inputs, materialize, quantizabl
 from deepinfer.models.contract import Backends
 from deepinfer.loading.weights import dummy_layout, fill_dummy, plan_load, stream_into
 from deepinfer.models.deepseek_v4.weight_names import naming
-from deepinfer.models.registry import checkpoint_naming, model_class
+from deepinfer.loading.model_registry import checkpoint_naming, model_class
 from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBackend, MoEBackend
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from deepinfer.models.deepseek_v4.config import DeepseekV4ModelConfig
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from deepinfer.loading.weights import CheckpointNaming
+from deepinfer.models.contract import CheckpointNaming
 from deepinfer.models.deepseek_v4.weight_names import naming
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
