@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidi
 from deepinfer.runtime.quantization import dequantize_fp4, quantize_fp4  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
-from deepinfer_nvidia import moe_mxfp4  # noqa: E402
+from deepinfer_nvidia import moe_mxfp4, moe_mxfp4_layout  # noqa: E402
 from deepinfer_nvidia.moe import TritonMoE  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -35,11 +35,11 @@ def test_repack_round_trips_exactly_within_each_16_row_block():
     codes, _ = _packed(3, 32, 192, g)
     codes[0, 0] = torch.randint(-128, 128, (96,), generator=g, dtype=torch.int8).to(DEVICE)  # every bit pattern
     repacked = codes.clone()
-    moe_mxfp4.repack(repacked)
+    moe_mxfp4_layout.repack(repacked)
     assert not torch.equal(repacked, codes)
-    assert torch.equal(moe_mxfp4.unpack(repacked), codes)
+    assert torch.equal(moe_mxfp4_layout.unpack(repacked), codes)
     alone = codes[:, 16:].clone()  # a block's codes decide its repacked bytes alone
-    moe_mxfp4.repack(alone)
+    moe_mxfp4_layout.repack(alone)
     assert torch.equal(alone, repacked[:, 16:])
 
 
@@ -47,7 +47,7 @@ def test_dequantized_repacked_experts_equal_the_reference():
     g = torch.Generator().manual_seed(1)
     codes, scales = _packed(2, 48, 128, g)
     expected = torch.stack([dequantize_fp4(c, s, torch.bfloat16) for c, s in zip(codes, scales)])
-    moe_mxfp4.repack(codes)
+    moe_mxfp4_layout.repack(codes)
     assert torch.equal(moe_mxfp4.dequantize(codes, scales), expected)
 
 
@@ -86,7 +86,7 @@ def test_swap_ab_experts_match_the_reference(tokens, experts, top_k, hidden, int
     x, ids, topk_weights = _routing(tokens, experts, top_k, hidden, g)
     reference = TorchMoE().routed_experts(x, ids, topk_weights, weights)  # first: the backend repacks in place
     ours = TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights)
-    assert moe_mxfp4.is_repacked(weights.w1) and moe_mxfp4.is_repacked(weights.w2)
+    assert moe_mxfp4_layout.is_repacked(weights.w1) and moe_mxfp4_layout.is_repacked(weights.w2)
     _close(ours, reference)
 
 
@@ -117,21 +117,21 @@ def test_split_k_partial_sums_match_the_reference(monkeypatch, programs_per_sm):
 def test_scales_past_the_folded_range_keep_the_byte_layout():
     g = torch.Generator().manual_seed(3)
     weights = _weights(4, 64, 64, g, spread=2.0**12)  # scales of 2^6 and more: 2^(e - 1) leaves bf16's range
-    assert "scale above" in moe_mxfp4.repackable(weights.w1, weights.w1_scale)
+    assert "scale above" in moe_mxfp4_layout.repackable(weights.w1, weights.w1_scale)
     x, ids, topk_weights = _routing(5, 4, 2, 64, g)
     reference = TorchMoE().routed_experts(x, ids, topk_weights, weights)
     ours = TritonMoE(TorchMoE()).routed_experts(x, ids, topk_weights, weights)
-    assert not moe_mxfp4.is_repacked(weights.w1)
+    assert not moe_mxfp4_layout.is_repacked(weights.w1)
     _close(ours, reference)
 
 
 def test_a_half_repacked_layer_is_refused():
     g = torch.Generator().manual_seed(4)
     weights = _weights(2, 64, 64, g)
-    moe_mxfp4.repack(weights.w1)
-    setattr(weights.w1, moe_mxfp4.LAYOUT_ATTRIBUTE, "swap-ab")
+    moe_mxfp4_layout.repack(weights.w1)
+    setattr(weights.w1, moe_mxfp4_layout.LAYOUT_ATTRIBUTE, "swap-ab")
     with pytest.raises(ValueError, match="some of a layer's"):
-        moe_mxfp4.prepare(weights)
+        moe_mxfp4_layout.prepare(weights)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

@@ -22,7 +22,7 @@ import torch
 from deepinfer.runtime.quantization import quantize_fp4
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import ExpertWeights
-from deepinfer_nvidia import moe, moe_mxfp4
+from deepinfer_nvidia import moe, moe_mxfp4, moe_mxfp4_layout
 from gpu_kernels import _graph_us  # tools/: a call captured in a CUDA graph, its replays timed
 import mxfp4_peers  # tools/: humming-kernels and triton_kernels on the same problem (--peers)
 
@@ -75,7 +75,7 @@ def main(sweep: bool, breakdown: bool, peers: bool = False) -> dict:
     (w1, s1), (w3, s3), (w2, s2) = _stack(INTER, HIDDEN), _stack(INTER, HIDDEN), _stack(HIDDEN, INTER)
     standard = ExpertWeights(w1, w3, w2, 10.0, s1, s3, s2, ACTIVATION_BLOCK)
     repacked = ExpertWeights(w1.clone(), w3.clone(), w2.clone(), 10.0, s1, s3, s2, ACTIVATION_BLOCK)
-    assert moe_mxfp4.prepare(repacked) is None
+    assert moe_mxfp4_layout.prepare(repacked) is None
     per_expert = sum(t[0].numel() * t.element_size() for t in (w1, w3, w2, s1, s3, s2))
     previous = moe.TritonMoE(reference=None, repack_fp4=False)
     ours = moe.TritonMoE(reference=None)

@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import INTERPRETED, activation, moe_blocks, moe_fp8, moe_grouped, moe_mxfp4, routing
+from deepinfer_nvidia import (INTERPRETED, activation, moe_blocks, moe_fp8, moe_grouped, moe_mxfp4, moe_mxfp4_layout,
+                              routing)
 from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
 from deepinfer_nvidia.fp8_rounding import act_quant, fp8_rounded
 
@@ -401,7 +402,7 @@ class TritonMoE:
             h = moe_fp8.fp8_experts(x, token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, block, chunk, w3,
                                     weights.w3_scale, limit)
             down = moe_fp8.fp8_experts(h, sorted_rows, order, w2, weights.w2_scale, blocks, bm, block, chunk)
-        elif fp4 and not self.pinned and self.repack_fp4 and moe_mxfp4.prepare(weights) is None:
+        elif fp4 and not self.pinned and self.repack_fp4 and moe_mxfp4_layout.prepare(weights) is None:
             block = weights.activation_block
             h = moe_mxfp4.experts(fp8_rounded(x, block), token_of, sorted_rows, w1, weights.w1_scale, blocks, bm, w3,
                                   weights.w3_scale, limit)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia import activation, moe_blocks, moe_mxfp4
+from deepinfer_nvidia import activation, moe_blocks, moe_mxfp4, moe_mxfp4_layout
 from deepinfer_nvidia.fp8_rounding import fp8_rounded
 
 # Rows per expert, on average over the layer's experts, from which the grouped GEMM serves a call: below, padding
@@ -117,7 +117,7 @@ def dequantize_fp4_experts(codes: torch.Tensor, scales: torch.Tensor, out: torch
 
 def _dequantized(codes, scales, first: int, last: int, scratch):
     """Experts first..last-1 of a packed MXFP4 stack as bf16, in either byte layout."""
-    if moe_mxfp4.is_repacked(codes):
+    if moe_mxfp4_layout.is_repacked(codes):
         return moe_mxfp4.dequantize(codes[first:last], scales[first:last], scratch)
     return dequantize_fp4_experts(codes[first:last], scales[first:last], scratch)
 
