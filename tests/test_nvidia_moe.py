@@ -19,7 +19,7 @@ from deepinfer.runtime.quantization import quantize_fp4  # noqa: E402
 from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia import moe as moe_module  # noqa: E402
-from deepinfer_nvidia import moe_blocks  # noqa: E402
+from deepinfer_nvidia import moe_blocks, moe_fp4_bytes  # noqa: E402
 from deepinfer_nvidia.moe import LARGE_BM, SMALL_BM, TritonMoE, _blocks, block_rows  # noqa: E402
 
 BM = SMALL_BM
@@ -188,7 +188,7 @@ def test_cuda_graph_replays_with_new_routing(fmt):
 def test_autotuned_mxfp4_configs_tile_k(k, word_scales):
     """The tuner only times K tiles that divide K (K is passed as a keyword, so the pruner must read it there), and
     whole words of four scales (128 columns) when the kernel reads them so."""
-    tuner = moe_module._tuned_fp4_experts()
+    tuner = moe_fp4_bytes._tuned_fp4_experts()
     tuner.nargs = {}
     kept = tuner.prune_configs({"K": k, "N": 256, "BLOCK_M": BM, "SWIGLU": True, "WORD_SCALES": word_scales})
     assert kept and all(k % c.kwargs["BK"] == 0 for c in kept)
@@ -197,11 +197,11 @@ def test_autotuned_mxfp4_configs_tile_k(k, word_scales):
 
 def test_scales_are_read_four_to_a_word_only_when_their_rows_allow():
     scales = torch.zeros(3, 8, 40, dtype=torch.uint8)  # K = 1280: 40 scales a row
-    assert moe_module._scale_words(scales, 1280).shape == (3, 8, 10)
-    assert moe_module._scale_words(scales[..., :36], 1152).shape == (3, 8, 9)  # rows 40 bytes apart: still words
-    assert moe_module._scale_words(torch.zeros(3, 8, 42, dtype=torch.uint8)[..., :40], 1280) is None  # 42 apart
-    assert moe_module._scale_words(torch.zeros(3, 8, 3, dtype=torch.uint8), 96) is None  # K not whole words
-    assert moe_module._scale_words(torch.zeros(3, 8, 41, dtype=torch.uint8)[..., 1:], 1280) is None  # misaligned
+    assert moe_fp4_bytes._scale_words(scales, 1280).shape == (3, 8, 10)
+    assert moe_fp4_bytes._scale_words(scales[..., :36], 1152).shape == (3, 8, 9)  # rows 40 bytes apart: still words
+    assert moe_fp4_bytes._scale_words(torch.zeros(3, 8, 42, dtype=torch.uint8)[..., :40], 1280) is None  # 42 apart
+    assert moe_fp4_bytes._scale_words(torch.zeros(3, 8, 3, dtype=torch.uint8), 96) is None  # K not whole words
+    assert moe_fp4_bytes._scale_words(torch.zeros(3, 8, 41, dtype=torch.uint8)[..., 1:], 1280) is None  # misaligned
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

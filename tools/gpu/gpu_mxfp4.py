@@ -1,6 +1,6 @@
 """MXFP4 routed experts on the GPU at V4.1-Flash shapes (hidden 5120, intermediate 2304, top-6 of 384 experts,
 activations rounded in 1 x 32 blocks): the swap-AB kernel on repacked weights (``moe_mxfp4``) against the byte-layout
-kernel it replaces (``moe._fp4_experts``), both checked against the torch reference, printed as JSON lines.
+kernel it replaces (``moe_fp4_bytes.experts``), both checked against the torch reference, printed as JSON lines.
 
     PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools/gpu python tools/gpu/gpu_mxfp4.py [--sweep]
 

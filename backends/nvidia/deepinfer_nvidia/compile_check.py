@@ -13,7 +13,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, fp8_rounding, kv_store, logits, mhc,
-                              mhc_weights, moe, moe_blocks, moe_fp8, moe_grouped, moe_mxfp4, norm, rope, routing, slots)
+                              mhc_weights, moe, moe_blocks, moe_fp4_bytes, moe_fp8, moe_grouped, moe_mxfp4, norm, rope,
+                              routing, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -75,7 +76,7 @@ CASES = {
     "fp8 cache store": (kv_store._fp8_store_kernel, {"rows_ptr": "*bf16", "slots_ptr": "*i64", "fp8_ptr": "*fp8e4nv",
                                                     "bytes_ptr": "*u8"}, {}),
     **{f"mxfp4 experts, {name}": (
-        moe._fp4_experts_kernel,
+        moe_fp4_bytes._fp4_experts_kernel,
         {**EXPERT_POINTERS, "a_ptr": "*fp16", "sa_ptr": "*fp32", "w_ptr": "*i8", "v_ptr": "*i8",
          "sw_ptr": "*i32" if words else "*u8", "sv_ptr": "*i32" if words else "*u8"},
         {"K": 4096, "ACT_BLOCK": 128, "BLOCK_M": rows, "BN": 64, "BK": 128, "SWIGLU": True, "NATIVE": True,

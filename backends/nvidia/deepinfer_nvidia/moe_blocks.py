@@ -131,6 +131,11 @@ def store_block(out_ptr, out_rows_ptr, start, offs_m, m_ok, offs_n, n_ok, stride
     tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+def column_tile(n: int) -> int:
+    """Columns per program of the expert kernels that take one tile width (64, or 32 for narrower outputs)."""
+    return 64 if n >= 64 else 32
+
+
 @triton.jit
 def block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr, N, BLOCK_M: tl.constexpr, BN: tl.constexpr):
     """This program's expert, first sorted row, row and column offsets with their masks, and the rows of ``a``
