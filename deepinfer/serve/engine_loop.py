@@ -109,7 +109,7 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self.engine.step()
                     self._route()
-                    self.counters = self.engine.counters()
+                self.counters = self.engine.counters()  # also after an abort, which no step may follow
         except BaseException as exc:  # the server cannot go on without its engine: every waiting client is told
             logger.exception("the engine loop failed")
             self.error = exc
