@@ -14,7 +14,13 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.plugins.manager import registered  # noqa: E402
 from deepinfer.serve import cli  # noqa: E402
+
+try:
+    from deepinfer_structured_outputs import plugin as structured_plugin
+except ImportError:  # features/structured_outputs not installed: the response_format test skips
+    structured_plugin = None
 
 MODEL = "deepinfer-tiny-v4.1"
 ENGINE = ["--model", MODEL, "--dtype", "float32"]  # bf16 rows of a batch may round apart: float32 batches alike
@@ -26,6 +32,10 @@ def _serve(extra=()):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     loop, app = cli.build(parser.parse_args([*ENGINE, *extra]))
+    if structured_plugin is not None:  # under test installed plugins are not loaded: the engine takes it now
+        with registered(structured_plugin, "structured_outputs"):
+            loop.engine.structured_outputs()
+    loop.start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -150,6 +160,39 @@ def test_disconnect_aborts_the_request(server):
         assert time.monotonic() < deadline, loop.counters
         time.sleep(0.05)
     assert loop.counters["generation_tokens"] >= 0 and loop.alive
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.skipif(structured_plugin is None, reason="features/structured_outputs is not installed")
+def test_response_format_json_schema(client):
+    import json
+    got = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A person as JSON."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    person = json.loads(got.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    got = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Some JSON."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(got.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "bad"}})
+    assert refused.value.body["param"] == "response_format"
+
+
+def test_unsupported_fields_are_refused_not_ignored(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert refused.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="x", echo=True)
+    assert refused.value.body["param"] == "echo"
 
 
 def test_metrics(server):

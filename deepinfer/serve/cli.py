@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args):
-    """The engine loop (started) and the app for ``args``; ``run_serve`` and the tests serve it."""
+    """The engine loop (not started yet: until then the engine may be prepared from this thread) and the app for
+    ``args``; ``run_serve`` and the tests serve it."""
     from deepinfer import LLM
     from deepinfer.serve.app import create_app
     from deepinfer.loading.model_source import resolve_model_dir
@@ -35,7 +36,6 @@ def build(args):
         raise NotImplementedError("deepinfer serve runs one process; data/expert/context parallelism is not "
                                   "supported by the server yet")
     loop = EngineLoop(llm, args.max_queued)
-    loop.start()
     name = args.served_model_name or args.model or Path(resolve_model_dir(None)).name
     return loop, create_app(loop, name, args.api_key)
 
@@ -44,6 +44,7 @@ def run_serve(args) -> None:
     import uvicorn
 
     loop, app = build(args)
+    loop.start()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
