@@ -215,3 +215,13 @@ def test_api_key_and_queue_bound():
         uv.should_exit = True
         thread.join()
         loop.stop()
+
+
+def test_thinking_mode_returns_reasoning_content(client):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    args = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_body={"thinking": True})
+    whole = client.chat.completions.create(**args).choices[0].message
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in chunks)
+    assert reasoning == whole.reasoning_content and "</think>" not in reasoning
+    assert "".join(d.content or "" for d in chunks) == whole.content
