@@ -15,7 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.plugins.manager import registered  # noqa: E402
-from deepinfer.serve import cli  # noqa: E402
+from deepinfer.cli import serve as cli  # noqa: E402
 
 try:
     from deepinfer_structured_outputs import plugin as structured_plugin
@@ -138,6 +138,13 @@ def test_a_bad_field_is_a_400_naming_it(server, fields, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_a_body_that_is_not_json_is_a_400(server):
+    response = httpx.post(server[1] + "/v1/completions", content=b"{bad json",
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] is None
 
 
 def test_openai_client_raises_bad_request(client):

@@ -14,7 +14,7 @@ torch.set_flush_denormal(True)
 from deepinfer import envs  # noqa: E402
 from deepinfer.bench import fullscale, load, parallel, replay, speculative, structured, throughput  # noqa: E402
 from deepinfer.cli import commands as cli_commands  # noqa: E402
-from deepinfer.serve import cli as serve_cli  # noqa: E402
+from deepinfer.cli import serve as serve_cli  # noqa: E402
 from deepinfer.plugins.manager import PluginError  # noqa: E402
 from deepinfer.runtime.devices import DeviceUnavailable  # noqa: E402
 

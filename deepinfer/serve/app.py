@@ -33,6 +33,9 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, exc: RequestValidationError):
         first = exc.errors()[0]
+        if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+            error = (first.get("ctx") or {}).get("error", "")
+            return APIError(400, f"the request body is not valid JSON: {error}".rstrip(": ")).response()
         where = [str(part) for part in first.get("loc", ()) if part != "body"]
         # pydantic tries each member of a union: the loc's last part may name the member's type, not a field
         param = ".".join(p for p in where if not p.startswith(("list[", "str", "int", "float", "dict["))) or None
