@@ -14,6 +14,7 @@ torch.set_flush_denormal(True)
 from deepinfer import envs  # noqa: E402
 from deepinfer.bench import fullscale, load, parallel, replay, speculative, structured, throughput  # noqa: E402
 from deepinfer.cli import commands as cli_commands  # noqa: E402
+from deepinfer.cli import serve as serve_cli  # noqa: E402
 from deepinfer.plugins.manager import PluginError  # noqa: E402
 from deepinfer.runtime.devices import DeviceUnavailable  # noqa: E402
 
@@ -55,6 +56,11 @@ def _run(argv: list[str]) -> None:
         "chat", help="talk to the model: a line per message, answers streamed",
         description="A DeepSeek-V4 chat on standard input: each line is a user message, each answer is streamed "
                     "to standard output. /reset forgets the conversation; /exit or the end of input leaves."))
+    serve_cli.add_arguments(commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+        description="Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions (streaming "
+                    "as server-sent events), /v1/models, /health, /metrics. One engine loop batches every request "
+                    "continuously. See docs/serve.md."))
     cli_commands.add_plugins_arguments(commands.add_parser(
         "plugins", help="registered plugins, their versions and hooks"))
     cli_commands.add_env_arguments(commands.add_parser(

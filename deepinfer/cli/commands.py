@@ -13,15 +13,7 @@ from deepinfer import envs
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to complete (or --prompts-file)")
     parser.add_argument("--prompts-file", help="a file of prompts, one per line ('-': standard input)")
-    parser.add_argument("--model", help="checkpoint directory or hub id (default: DeepSeek-V4.1-Flash, or "
-                                        "DEEPINFER_HF_MODEL_DIR); deepinfer-tiny-v4.1 is the embedded model")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, npu, npu:N")
-    engine.add_argument("--quantization", default="auto", choices=["auto", "none"])
-    engine.add_argument("--max-model-len", type=int)
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    add_engine_arguments(parser)
     sampling = parser.add_argument_group("sampling (vLLM's SamplingParams)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default here)")
     sampling.add_argument("--top-p", type=float, default=1.0)
@@ -36,6 +28,25 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--logprobs", type=int, help="top log-probabilities per token (with --json)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt instead of the text")
     parser.set_defaults(run=run_generate)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model and the engine flags, shared by ``generate`` and ``serve``; ``engine_arguments`` reads them back."""
+    parser.add_argument("--model", help="checkpoint directory or hub id (default: DeepSeek-V4.1-Flash, or "
+                                        "DEEPINFER_HF_MODEL_DIR); deepinfer-tiny-v4.1 is the embedded model")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, npu, npu:N")
+    engine.add_argument("--quantization", default="auto", choices=["auto", "none"])
+    engine.add_argument("--max-model-len", type=int)
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+
+
+def engine_arguments(args) -> dict:
+    """The engine keyword arguments of ``LLM`` that ``add_engine_arguments`` declared."""
+    return dict(dtype=args.dtype, device=args.device, quantization=args.quantization,
+                max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _prompts(args) -> list[str]:
@@ -56,8 +67,7 @@ def run_generate(args) -> None:
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                             seq_seed=args.seq_seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, **engine_arguments(args))
     for output in llm.generate(prompts, params, use_tqdm=sys.stderr.isatty()):
         if args.json:
             print(json.dumps({"prompt": output.prompt, "outputs": [

@@ -135,6 +135,19 @@ class LLMEngine:
         self.scheduler.add(request)
         self.totals.prompt_tokens += len(request.prompt_token_ids)
 
+    def abort(self, requests: list[Request]) -> None:
+        """Ends ``requests`` now (finish_reason "abort"), freeing their cache blocks; those already finished are
+        left alone. Called between steps only: a step already in flight (asynchronous scheduling) still has rows
+        of them, which the outputs and ``Scheduler.update`` skip as they skip any request found finished early."""
+        for request in requests:
+            if request.finished:
+                continue
+            request.detokenizer.finish()
+            request.finish_reason, request.stop_reason = "abort", None
+            request.metrics.finished_time = time.monotonic()
+            self.scheduler.finish(request)
+            self.totals.aborted_requests += 1
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.steps.in_flight
 

@@ -50,6 +50,7 @@ class EngineTotals:
     cached_prompt_tokens: int = 0  # of finished requests: prompt tokens a prefix-cache hit did not recompute
     generation_tokens: int = 0  # of finished requests
     finished_requests: int = 0
+    aborted_requests: int = 0  # ended by LLMEngine.abort (a client gone), not counted as finished
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

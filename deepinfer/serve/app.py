@@ -1,0 +1,316 @@
+"""The HTTP routes: OpenAI's completions, chat completions (streamed as server-sent events with ``stream: true``),
+models, plus /health and /metrics. Every request becomes ``Submission``\\ s of the one ``EngineLoop``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from deepinfer.chat_encoding import encode_chat
+from deepinfer.serve.engine_loop import Admitted, Delta, EngineLoop, Submission
+from deepinfer.serve.errors import APIError, invalid
+from deepinfer.serve.protocol import ChatRequest, CompletionRequest
+
+END_THINK = "</think>"
+_DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="deepinfer serve")
+    app.state.engine_loop = loop
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+            error = (first.get("ctx") or {}).get("error", "")
+            return APIError(400, f"the request body is not valid JSON: {error}".rstrip(": ")).response()
+        where = [str(part) for part in first.get("loc", ()) if part != "body"]
+        # pydantic tries each member of a union: the loc's last part may name the member's type, not a field
+        param = ".".join(p for p in where if not p.startswith(("list[", "str", "int", "float", "dict["))) or None
+        return invalid(f"{param or 'body'}: {first.get('msg')}", param).response()
+
+    @app.middleware("http")
+    async def check_api_key(request: HTTPRequest, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                type="authentication_error", code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return JSONResponse(status_code=503, content={"status": "engine stopped", "error": repr(loop.error)})
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "deepinfer", "max_model_len": loop.engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_prometheus(loop.counters), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        _check_model(body.model, model_name)
+        prompts = body.prompts()
+        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
+        events: asyncio.Queue = asyncio.Queue()
+        submissions = [Submission(p, params, name=f"prompt[{i}]" if len(prompts) > 1 else "prompt", index=i,
+                                  events=events) for i, p in enumerate(prompts)]
+        run = await _start(loop, submissions, events)
+        response = _Completion(body, model_name, run)
+        return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest):
+        _check_model(body.model, model_name)
+        try:
+            text = encode_chat(body.conversation(), body.thinking, reasoning_effort=body.reasoning_effort)
+        except ValueError as exc:
+            raise invalid(str(exc), "messages") from None
+        so_args = body.response_format.so_args() if body.response_format is not None else None
+        limit = body.completion_limit()
+        params = body.sampling_params(1 if limit is None else limit, so_args)
+        events: asyncio.Queue = asyncio.Queue()
+        run = await _start(loop, [Submission(text, params, fill_max_tokens=limit is None, name="messages",
+                                             add_special_tokens=False, events=events)], events)
+        response = _Chat(body, model_name, run)
+        return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)
+
+    return app
+
+
+def _check_model(asked: str, served: str) -> None:
+    if asked != served:
+        raise APIError(404, f"the model {asked!r} is not served here; this server serves {served!r}", "model",
+                       code="model_not_found")
+
+
+class _Run:
+    """An HTTP request's submissions once the engine loop admitted them all."""
+
+    def __init__(self, submissions: list[Submission], events: asyncio.Queue, prompt_tokens: int):
+        self.submissions, self.events, self.prompt_tokens = submissions, events, prompt_tokens
+        self.n = submissions[0].params.n
+        self.open = len(submissions) * self.n  # choices still generating
+        self.completion_tokens = 0
+
+    async def next(self) -> tuple[int, Delta]:
+        """The next delta as (choice index, delta); an ``APIError`` the loop sent is raised."""
+        index, event = await self.events.get()
+        if isinstance(event, APIError):
+            raise event
+        if event.finish_reason is not None:
+            self.open -= 1
+            self.completion_tokens += event.num_tokens
+        return index * self.n + event.index, event
+
+
+async def _start(loop: EngineLoop, submissions: list[Submission], events: asyncio.Queue) -> _Run:
+    """Submits every prompt and waits for each to be admitted; one refused (a 400) withdraws the others."""
+    started, error, prompt_tokens = [], None, 0
+    try:
+        for submission in submissions:
+            loop.submit(submission)
+            started.append(submission)
+        for _ in started:
+            _, event = await events.get()
+            if isinstance(event, APIError):
+                error = error or event
+            elif isinstance(event, Admitted):
+                prompt_tokens += event.num_prompt_tokens
+    except BaseException:
+        for submission in started:
+            loop.abort(submission)
+        raise
+    if error is not None:
+        for submission in started:
+            loop.abort(submission)
+        raise error
+    return _Run(submissions, events, prompt_tokens)
+
+
+async def _collect(response, run: _Run, loop: EngineLoop, http: HTTPRequest) -> dict:
+    try:
+        while run.open:
+            try:
+                choice, delta = await asyncio.wait_for(run.next(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    raise asyncio.CancelledError from None
+                continue
+            response.add(choice, delta)
+    except BaseException:
+        for submission in run.submissions:
+            loop.abort(submission)
+        raise
+    return response.whole(run)
+
+
+def _stream(response, run: _Run, loop: EngineLoop) -> StreamingResponse:
+    async def events():
+        try:
+            for chunk in response.opening():
+                yield _sse(chunk)
+            while run.open:
+                choice, delta = await run.next()
+                for chunk in response.chunks(choice, delta):
+                    yield _sse(chunk)
+            if response.include_usage:
+                yield _sse(response.chunk([], usage=_usage(run)))
+            yield "data: [DONE]\n\n"
+        except APIError as exc:  # the engine failed after the headers went out: OpenAI's clients read this
+            yield _sse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
+        finally:
+            if run.open:  # the client went away (or the engine failed): its samples end, their blocks are freed
+                for submission in run.submissions:
+                    loop.abort(submission)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(run: _Run) -> dict:
+    return {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.completion_tokens,
+            "total_tokens": run.prompt_tokens + run.completion_tokens}
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return reason  # the engine's "stop" and "length" are OpenAI's; "abort" never reaches a connected client
+
+
+class _Response:
+    object: str
+    prefix: str
+
+    def __init__(self, body, model: str, run: _Run):
+        self.model, self.created = model, int(time.time())
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        self.choices = len(run.submissions) * run.n
+        self.finish = [None] * self.choices
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": f"{self.object}.chunk" if self.object == "chat.completion" else self.object,
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            out["usage"] = usage
+        return out
+
+    def opening(self) -> list[dict]:
+        return []
+
+
+class _Completion(_Response):
+    object, prefix = "text_completion", "cmpl"
+
+    def __init__(self, body, model, run):
+        super().__init__(body, model, run)
+        self.text = [""] * self.choices
+
+    def add(self, choice: int, delta: Delta) -> None:
+        self.text[choice] += delta.text
+        self.finish[choice] = _finish_reason(delta.finish_reason)
+
+    def whole(self, run: _Run) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [{"index": i, "text": self.text[i], "logprobs": None, "finish_reason": self.finish[i]}
+                            for i in range(self.choices)], "usage": _usage(run)}
+
+    def chunks(self, choice: int, delta: Delta) -> list[dict]:
+        return [self.chunk([{"index": choice, "text": delta.text, "logprobs": None,
+                             "finish_reason": _finish_reason(delta.finish_reason)}])]
+
+
+class _Chat(_Response):
+    """In thinking mode the output is "reasoning</think>answer": the reasoning goes out as ``reasoning_content``."""
+
+    object, prefix = "chat.completion", "chatcmpl"
+
+    def __init__(self, body, model, run):
+        super().__init__(body, model, run)
+        self.thinking = body.thinking
+        self.text = [""] * self.choices
+        self.sent = [(0, 0)] * self.choices  # (reasoning, content) characters streamed so far
+
+    def _split(self, text: str, finished: bool) -> tuple[str, str]:
+        if not self.thinking:
+            return "", text
+        reasoning, end, content = text.partition(END_THINK)
+        if end or finished:
+            return reasoning, content
+        # a tail that may still become </think> is held back
+        for keep in range(len(END_THINK) - 1, 0, -1):
+            if reasoning.endswith(END_THINK[:keep]):
+                return reasoning[:-keep], ""
+        return reasoning, ""
+
+    def _message(self, reasoning: str, content: str) -> dict:
+        message = {"role": "assistant", "content": content}
+        if self.thinking:
+            message["reasoning_content"] = reasoning
+        return message
+
+    def add(self, choice: int, delta: Delta) -> None:
+        self.text[choice] += delta.text
+        self.finish[choice] = _finish_reason(delta.finish_reason)
+
+    def whole(self, run: _Run) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [{"index": i, "message": self._message(*self._split(self.text[i], True)),
+                             "logprobs": None, "finish_reason": self.finish[i]} for i in range(self.choices)],
+                "usage": _usage(run)}
+
+    def opening(self) -> list[dict]:
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(self.choices)]
+
+    def chunks(self, choice: int, delta: Delta) -> list[dict]:
+        self.text[choice] += delta.text
+        finished = delta.finish_reason is not None
+        reasoning, content = self._split(self.text[choice], finished)
+        sent_reasoning, sent_content = self.sent[choice]
+        self.sent[choice] = (len(reasoning), len(content))
+        piece = {}
+        if len(reasoning) > sent_reasoning:
+            piece["reasoning_content"] = reasoning[sent_reasoning:]
+        if len(content) > sent_content:
+            piece["content"] = content[sent_content:]
+        if not piece and not finished:
+            return []
+        return [self.chunk([{"index": choice, "delta": piece, "logprobs": None,
+                             "finish_reason": _finish_reason(delta.finish_reason)}])]
+
+
+def _prometheus(counters: dict) -> str:
+    """The engine's counters in Prometheus' text format: totals as counters, the rest as gauges."""
+    totals = {"steps", "prompt_tokens", "cached_prompt_tokens", "generation_tokens", "finished_requests",
+              "aborted_requests", "preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens"}
+    lines = []
+    for name, value in counters.items():
+        if isinstance(value, dict):
+            metric = f"deepinfer_{name}"
+            lines += [f"# TYPE {metric} gauge"] + [f'{metric}{{kind="{k}"}} {v}' for k, v in value.items()]
+            continue
+        metric = f"deepinfer_{name}_total" if name in totals else f"deepinfer_{name}"
+        lines += [f"# TYPE {metric} {'counter' if name in totals else 'gauge'}", f"{metric} {value}"]
+    return "\n".join(lines) + "\n"

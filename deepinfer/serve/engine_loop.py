@@ -1,0 +1,188 @@
+"""The one thread that owns the engine (which is not thread-safe): it admits requests between steps, steps while
+any is unfinished, and hands each step's new text to the asyncio queue of the HTTP request that asked for it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from deepinfer.logger import init_logger
+from deepinfer.runtime.request import Request
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.serve.errors import APIError, invalid
+
+logger = init_logger(__name__)
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output of one sample: ``text`` since the last delta; ``finish_reason`` set on its last one."""
+
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class Admitted:
+    num_prompt_tokens: int
+
+
+@dataclass(eq=False)
+class Submission:
+    """One prompt's ``n`` samples. ``prompt``: text (tokenized as ``LLM.generate`` does) or token ids.
+    ``max_tokens`` None: whatever room the context leaves after the prompt. Events (``Admitted`` or an
+    ``APIError`` first, then ``Delta``\\ s), tagged with ``index``, arrive on ``events``, in the event loop that made it."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    fill_max_tokens: bool = False
+    add_special_tokens: bool = True  # False for a chat encoding, which carries its own BOS (as LLM.chat_prompt)
+    name: str = "prompt"
+    index: int = 0  # which of its HTTP request's prompts: events go out as (index, event), queues may be shared
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    requests: list[Request] = field(default_factory=list)
+    shown: list[int] = field(default_factory=list)
+
+    def send(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
+
+
+class Overloaded(APIError):
+    def __init__(self, bound: int):
+        super().__init__(503, f"the server has {bound} requests unfinished (--max-queued); retry later",
+                         type="server_overloaded", code="server_overloaded")
+
+
+class EngineLoop:
+    """``submit`` and ``abort`` may be called from any thread; everything else runs on the loop's own thread."""
+
+    def __init__(self, llm, max_queued: int):
+        self.llm, self.engine, self.max_queued = llm, llm.engine, max_queued
+        self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._outstanding = 0  # submissions not yet finished: what --max-queued bounds
+        self._active: list[Submission] = []
+        self._ids = itertools.count()
+        self._stopping = False
+        self.counters = self.engine.counters()  # a copy, refreshed by the loop: /metrics reads it from other threads
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, submission: Submission) -> None:
+        if not self.alive:
+            raise APIError(503, f"the engine loop has stopped: {self.error!r}", type="server_error")
+        with self._lock:
+            if self._outstanding >= self.max_queued:
+                raise Overloaded(self.max_queued)
+            self._outstanding += 1
+        self._inbox.put(("add", submission))
+
+    def abort(self, submission: Submission) -> None:
+        """The client went away: its samples end and free their cache blocks at the next step boundary."""
+        self._inbox.put(("abort", submission))
+
+    # -- the loop thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self.engine.step()
+                    self._route()
+                self.counters = self.engine.counters()  # also after an abort, which no step may follow
+        except BaseException as exc:  # the server cannot go on without its engine: every waiting client is told
+            logger.exception("the engine loop failed")
+            self.error = exc
+            for submission in self._active:
+                submission.send(APIError(500, f"the engine failed: {exc!r}", type="server_error"))
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(timeout=None) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            kind, submission = item
+            if kind == "add":
+                self._admit(submission)
+            elif submission in self._active:
+                self.engine.abort(submission.requests)
+                self._done(submission)
+
+    def _admit(self, submission: Submission) -> None:
+        try:
+            token_ids = (self.llm.tokenizer.encode(submission.prompt, add_special_tokens=submission.add_special_tokens) if isinstance(submission.prompt, str)
+                         else list(submission.prompt))
+            self.engine.check_prompt(token_ids, submission.name)
+            params = submission.params
+            if submission.fill_max_tokens:
+                params = dataclasses.replace(params, max_tokens=self.engine.max_model_len - len(token_ids))
+            if params.so_args is not None:
+                if params.min_tokens:
+                    raise ValueError("response_format cannot be combined with min_tokens")
+                self.engine.structured_outputs().validate(params.so_args)
+        except APIError as exc:
+            self._refuse(submission, exc)
+            return
+        except (ValueError, NotImplementedError) as exc:
+            self._refuse(submission, invalid(str(exc), "response_format" if "so_args" in str(exc) else None))
+            return
+        request_id = f"serve-{next(self._ids)}"
+        for sample in range(params.n):
+            request = Request(request_id=request_id, sample_index=sample,
+                              prompt=submission.prompt if isinstance(submission.prompt, str) else None,
+                              prompt_token_ids=token_ids, params=params,
+                              eos_token_ids=tuple(self.engine.model_config.eos_token_id))
+            request.metrics.num_prompt_tokens = len(token_ids)
+            self.engine.add_request(request)
+            submission.requests.append(request)
+        submission.shown = [0] * params.n
+        self._active.append(submission)
+        submission.send(Admitted(len(token_ids)))
+
+    def _refuse(self, submission: Submission, error: APIError) -> None:
+        with self._lock:
+            self._outstanding -= 1
+        submission.send(error)
+
+    def _route(self) -> None:
+        for submission in list(self._active):
+            for request in submission.requests:
+                text, shown = request.detokenizer.text, submission.shown[request.sample_index]
+                if shown < 0:  # its last delta went out
+                    continue
+                if len(text) > shown or request.finished:
+                    submission.send(Delta(request.sample_index, text[shown:], request.num_output_tokens,
+                                          request.finish_reason if request.finished else None,
+                                          request.stop_reason))
+                    submission.shown[request.sample_index] = -1 if request.finished else len(text)
+            if all(r.finished for r in submission.requests):
+                self._done(submission)
+
+    def _done(self, submission: Submission) -> None:
+        self._active.remove(submission)
+        with self._lock:
+            self._outstanding -= 1
