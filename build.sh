@@ -107,7 +107,7 @@ case "$accelerator" in
 esac
 
 say "installing deepinfer (editable, with the test extra)"
-pip_install -e ".[test]"
+pip_install -e ".[test,serve]"
 
 if [[ "$accelerator" != cpu ]]; then
     backend="backends/$accelerator"

@@ -22,7 +22,7 @@ from deepinfer.runtime.devices import DeviceUnavailable  # noqa: E402
 # What a user can cause and fix (a missing directory, an unreachable hub, a bad argument, a plugin or device that is
 # not there): one line, exit 2. Anything else is a bug, and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, NotImplementedError,
-               DeviceUnavailable, PluginError)
+               DeviceUnavailable, PluginError, serve_cli.ServerUnavailable)
 
 
 def main(argv: list[str] | None = None) -> None:

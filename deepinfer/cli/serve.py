@@ -21,12 +21,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run_serve)
 
 
+class ServerUnavailable(RuntimeError):
+    """The server's packages are not installed."""
+
+
+def _require_server_packages() -> None:
+    """The server's ASGI stack is an extra (``deepinfer[serve]``, which build.sh installs): offline users need none."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ServerUnavailable(f"deepinfer serve needs {' and '.join(missing)}: pip install 'deepinfer[serve]'")
+
+
 def build(args):
     """The engine loop (not started yet: until then the engine may be prepared from this thread) and the app for
     ``args``; ``run_serve`` and the tests serve it."""
     from deepinfer import LLM
-    from deepinfer.serve.app import create_app
     from deepinfer.loading.model_source import resolve_model_dir
+
+    _require_server_packages()
+    from deepinfer.serve.app import create_app
     from deepinfer.serve.engine_loop import EngineLoop
 
     if args.max_queued < 1:
