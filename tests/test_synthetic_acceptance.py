@@ -109,3 +109,25 @@ def test_overlapped_steps_draw_on_the_device_what_synchronous_steps_draw():
                      (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)))
     assert runs[0] == runs[1]
     assert llm.engine.overlap.launches["following"] > 0
+
+
+def test_bench_speculative_reports_each_synthetic_length_on_dummy_weights(tmp_path):
+    """``--synthetic-acceptance-length``: beside the run without drafts, one fixed-length run per L, on random
+    weights (draft stages included), each with its tok/s, speed-up, measured acceptance and step split."""
+    import json
+
+    from deepinfer.cli import main
+
+    out = tmp_path / "speculative.json"
+    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+        main(["bench", "speculative", "--model", "deepinfer-tiny-v4.1", "--batch-sizes", "2", "--output-len", "8",
+              "--load-format", "dummy", "--synthetic-acceptance-length", "1.5", "3", "--output-json", str(out)])
+    result = json.loads(out.read_text())["batch_2"]
+    assert set(result) == {"without_drafts", "synthetic_1.5", "synthetic_3", "speedup"}
+    assert set(result["speedup"]) == {"synthetic_1.5", "synthetic_3"}
+    for name, length in (("synthetic_1.5", 1.5), ("synthetic_3", 3.0)):
+        run = result[name]
+        assert run["requested_acceptance_length"] == length and run["drafts"] > 0
+        assert run["mean_acceptance_length"] == 1 + run["accepted_tokens"] / run["drafts"]
+        assert run["per_step_ms"]["draft"] > 0 and result["speedup"][name] > 0
+    assert result["without_drafts"]["per_step_ms"]["draft"] == 0
