@@ -15,6 +15,9 @@ Rolling back a rejected draft needs no cache edits: every cache row is addressed
 for rejected positions are overwritten when those positions are computed again, and ``num_computed`` stops before
 them (a compression window that closed on a rejected token closes again, on the right one, before anything reads
 its entry). Prefix caching publishes blocks only up to ``num_computed``.
+
+Synthetic acceptance (``EngineConfig.synthetic_acceptance_length``) is for benchmarks only: the counts are drawn
+(``synthetic_accepted``) rather than matched, so outputs are not the target model's.
 """
 
 from __future__ import annotations
