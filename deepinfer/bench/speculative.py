@@ -8,6 +8,11 @@ batch size runs three times on the same prompts, greedy, after a warm-up of each
 speed-ups, vLLM's acceptance counters, and whether the runs generated the same tokens. A fourth run, fixed length
 with ``async_scheduling=False``, is the peer of speculative steps that overlap the host
 (``engine/overlapped_speculation.py``): the same verification, each step waiting for the host.
+
+``--synthetic-acceptance-length L [L ...]`` (benchmarks only, ``EngineConfig.synthetic_acceptance_length``) runs,
+after the run without drafts, one fixed-length run per ``L`` whose drafts are drafted and verified as always but
+accepted at random for a mean acceptance length of ``L``: what speculation would gain with a drafter that good, on
+any weights (``--load-format dummy`` too). Their tokens are not the model's, so ``same_tokens`` is not reported.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ MODES = {"without_drafts": (None, True), "fixed_length": (False, True), "confide
          "fixed_length_synchronous": (False, False)}
 
 
-def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous: bool) -> dict:
+def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous: bool,
+         synthetic: float | None = None) -> dict:
     from deepinfer import SamplingParams
 
     speculative = varlen is not None
-    llm = build_llm(args, max_num_seqs=max(batch, 1), enable_mtp_varlen=varlen, async_scheduling=asynchronous)
+    llm = build_llm(args, max_num_seqs=max(batch, 1), enable_mtp_varlen=varlen, async_scheduling=asynchronous,
+                    **({} if synthetic is None else {"synthetic_acceptance_length": synthetic}))
     if speculative and llm.engine.speculator is None:
         raise SystemExit(f"no drafter serves this model with enable_mtp_varlen={varlen} (is features/mtp "
                          "installed?)")
@@ -82,9 +89,10 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
 
 
 def run(args, vocab: int) -> dict:
-    if args.compare_hf or args.load_format == "dummy":
-        raise SystemExit("bench speculative compares DeepInfer with itself on real weights: --compare-hf and "
-                         "--load-format dummy do not apply")
+    synthetic = args.synthetic_acceptance_length
+    if args.compare_hf or (args.load_format == "dummy" and not synthetic):
+        raise SystemExit("bench speculative compares DeepInfer with itself on real weights: --compare-hf does not "
+                         "apply, nor --load-format dummy without --synthetic-acceptance-length")
     texts = PROMPTS
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -92,6 +100,9 @@ def run(args, vocab: int) -> dict:
     results = {}
     for batch in args.batch_sizes:
         prompts = [texts[i % len(texts)] for i in range(batch)]
+        if synthetic:
+            results[f"batch_{batch}"] = _synthetic_runs(args, batch, prompts, synthetic)
+            continue
         runs = {name: _run(args, batch, prompts, *mode) for name, mode in MODES.items()}
         tokens = [run.pop("token_ids") for run in runs.values()]
         plain = runs["without_drafts"]["decode_tokens_per_second"]
@@ -102,9 +113,26 @@ def run(args, vocab: int) -> dict:
     return results
 
 
+def _synthetic_runs(args, batch: int, prompts: list[str], lengths: list[float]) -> dict:
+    """Without drafts, then fixed-length drafts accepted at random for each requested mean acceptance length."""
+    runs = {"without_drafts": _run(args, batch, prompts, *MODES["without_drafts"])}
+    for length in lengths:
+        runs[f"synthetic_{length:g}"] = {"requested_acceptance_length": length,
+                                         **_run(args, batch, prompts, *MODES["fixed_length"], synthetic=length)}
+    for run in runs.values():
+        run.pop("token_ids")
+    plain = runs["without_drafts"]["decode_tokens_per_second"]
+    return {**runs, "speedup": {name: run["decode_tokens_per_second"] / plain for name, run in runs.items()
+                                if name != "without_drafts"}}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts-file", help="one prompt per line (\\n escapes become newlines)")
+    parser.add_argument("--synthetic-acceptance-length", type=float, nargs="+", metavar="L",
+                        help="benchmarks only: instead of the real runs with drafts, one fixed-length run per L whose "
+                             "drafts are accepted at random for a mean acceptance length of L (outputs are not the "
+                             "model's; --load-format dummy allowed)")
     parser.set_defaults(run=run)

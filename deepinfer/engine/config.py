@@ -78,6 +78,9 @@ class EngineConfig:
     # speculative decoding: None off, True confidence-scheduled draft lengths, False fixed length
     enable_mtp_varlen: bool | None = _from_environment("DEEPINFER_ENABLE_MTP_VARLEN")
     num_speculative_tokens: int = _from_environment("DEEPINFER_USE_NEXTN_DECODE")
+    # benchmarks only: accept drafts at random so that the mean acceptance length is this (engine/speculation.py);
+    # outputs are then not the target model's
+    synthetic_acceptance_length: float | None = None
     prefill_truncation_mode: str = _from_environment("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
     prefill_keep_tokens: int = _from_environment("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")
     batch_invariant: bool = _from_environment("DEEPINFER_BATCH_INVARIANT")
@@ -142,6 +145,12 @@ class EngineConfig:
         for f in fields(self):
             if "variable" in f.metadata:
                 _check_variable_field(f.name, getattr(self, f.name), variables[f.metadata["variable"]])
+        length = self.synthetic_acceptance_length
+        if length is not None:  # after the variables' check: the bound needs a valid num_speculative_tokens
+            bound = self.num_speculative_tokens + 1
+            if isinstance(length, bool) or not isinstance(length, (int, float)) or not 1 <= length <= bound:
+                raise ValueError(f"synthetic_acceptance_length must be a number in [1, {bound}] (1 + "
+                                 f"num_speculative_tokens={self.num_speculative_tokens}) or None, got {length!r}")
 
     @staticmethod
     def variable_of(name: str) -> str:

@@ -40,7 +40,8 @@ from deepinfer.engine.output_processor import host_lists
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.scheduled import ScheduledBatch
 from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling_batch
-from deepinfer.engine.speculation import accepted_counts, draft_room, survival_floor, verified_lengths
+from deepinfer.engine.speculation import (accepted_counts, draft_room, drafts_in_accepted_rows, survival_floor,
+                                          synthetic_key, verified_lengths)
 from deepinfer.engine.steps import SpeculativeSteps, StepContext
 from deepinfer.runtime.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
@@ -203,7 +204,8 @@ class OverlappedSpeculation:
     def _tail_inputs(self, requests: list[Request], first: bool) -> dict[str, torch.Tensor]:
         """What the step's tail reads per request (``_tail``), padded to the graph's batch: sampling parameters,
         the survival floor, prompt lengths (to number the output positions), the drafts verified (a following
-        step's come from the device), the drafter's slots and where each request must end."""
+        step's come from the device), the drafter's slots, where each request must end, and (synthetic acceptance)
+        each request's key for its draws."""
         s = self.speculator
         params = [r.params for r in requests]
         pad = self.runner.graphs.padded_requests(len(requests)) - len(requests)
@@ -219,18 +221,20 @@ class OverlappedSpeculation:
         ints = [padded([max(p.top_k, 0) for p in params], 0), padded([sample_seed(r) for r in requests], -1),
                 padded([len(r.prompt_token_ids) for r in requests], 0),
                 padded([r.num_drafts if first else 0 for r in requests], 0),
-                padded(s.drafter.device_slots(requests), -1), padded(ends, 0)]
+                padded(s.drafter.device_slots(requests), -1), padded(ends, 0),
+                padded([synthetic_key(r) for r in requests] if s.synthetic_rate is not None else [0] * len(requests),
+                       0)]
         return {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
                 "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}
 
     def _tail(self, logits: torch.Tensor, features: torch.Tensor | None, inputs, flags: SamplingFlags
               ) -> tuple[torch.Tensor | None, ...]:
         """After the forward pass, on the device for every (padded) request: sample every row, count the accepted
-        drafts, let the drafter store the kept rows and draft from the new last token, size the next step's
-        verification. Returns ``_Outcome.pack``'s tensor and the sampler's logprob outputs."""
+        drafts (or draw them: synthetic acceptance), let the drafter store the kept rows and draft from the new last
+        token, size the next step's verification. Returns ``_Outcome.pack``'s tensor and the sampler's logprob outputs."""
         rows, s = self.rows, self.speculator
         temperature, top_p, min_p, floor = inputs.tail["floats"]
-        top_k, seeds, prompt_lengths, verified, slots, ends = inputs.tail["ints"]
+        top_k, seeds, prompt_lengths, verified, slots, ends, keys = inputs.tail["ints"]
         tokens, positions = inputs.token_ids.view(-1, rows), inputs.positions.view(-1, rows)
 
         def each_row(t):
@@ -241,8 +245,13 @@ class OverlappedSpeculation:
                                   each_row(seeds), (positions + 1 - prompt_lengths.unsqueeze(1)).flatten(), flags)
         sampler_output = self.runner.sampler.sample(logits, sampling)
         sampled = sampler_output.token_ids.view(-1, rows)
-        accepted = accepted_counts(tokens[:, 1:], sampled, verified)
-        first, kept = positions[:, 0], accepted + 1
+        first = positions[:, 0]
+        if s.synthetic_rate is None:
+            accepted = accepted_counts(tokens[:, 1:], sampled, verified)
+        else:  # benchmarks only: drawn on the device from the keys and positions, as the synchronous steps draw
+            accepted = s.synthetic_counts(keys, first, verified)
+            sampled = drafts_in_accepted_rows(sampled, tokens[:, 1:], accepted)
+        kept = accepted + 1
         drafts, confidence = s.drafter.propose_on_device(slots, first, rows, kept, sampled, features)
         # the new last token sits at position first + kept
         room = draft_room(ends, first + kept + 1).clamp_max(min(s.max_drafts, drafts.shape[1]))

@@ -66,12 +66,20 @@ def speculator(config: EngineConfig, model, max_model_len: int) -> Speculator | 
     offer = checked("deepinfer_drafter", select_optional_backend("deepinfer_drafter", config=config,
                                                                  context=DraftContext.of(model)))
     if offer is None:
+        if config.synthetic_acceptance_length is not None:
+            raise ValueError(f"synthetic_acceptance_length={config.synthetic_acceptance_length} needs speculative "
+                             "decoding, and no drafter plugin serves this model with these arguments (set "
+                             "enable_mtp_varlen to True or False, with features/mtp installed)")
         return None
+    if config.synthetic_acceptance_length is not None:
+        logger.warning("synthetic_acceptance_length=%s (benchmarks only): drafts are accepted at random for that "
+                       "mean acceptance length, so outputs are NOT the target model's",
+                       config.synthetic_acceptance_length)
     logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,
                 offer[1], config.num_speculative_tokens,
                 "confidence-scheduled lengths" if config.enable_mtp_varlen else "fixed length")
     return Speculator(offer[0], config.num_speculative_tokens, config.enable_mtp_varlen,
-                      config.max_num_batched_tokens, max_model_len)
+                      config.max_num_batched_tokens, max_model_len, config.synthetic_acceptance_length)
 
 
 def prefill_truncation(config: EngineConfig, model_config, model, max_model_len: int,

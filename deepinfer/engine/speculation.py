@@ -15,10 +15,14 @@ Rolling back a rejected draft needs no cache edits: every cache row is addressed
 for rejected positions are overwritten when those positions are computed again, and ``num_computed`` stops before
 them (a compression window that closed on a rejected token closes again, on the right one, before anything reads
 its entry). Prefix caching publishes blocks only up to ``num_computed``.
+
+Synthetic acceptance (``EngineConfig.synthetic_acceptance_length``) is for benchmarks only: the counts are drawn
+(``synthetic_accepted``) rather than matched, so outputs are not the target model's.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,6 +106,74 @@ def draft_room(ends: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return (ends - lengths - 1).clamp_min(0)
 
 
+# -- synthetic acceptance (benchmarks only) ----------------------------------------------------------------------
+# The drafter drafts and the target verifies as always, but how many drafts a step accepts is drawn, not matched,
+# so a benchmark can price speculation at an acceptance length the deployment's drafter would reach. The rule: one
+# conditional rate p for every position (draft j is accepted, given drafts 0..j-1 were, with probability p), the p
+# that makes the expected acceptance length 1 + p + ... + p^k equal the requested L for k drafts. The draws come
+# from a counter-based hash of (request key, the step's first position, draft index): no generator state, so the
+# same values on any device, inside a CUDA graph, in the synchronous and the overlapped steps alike.
+
+_MASK32 = 0xFFFFFFFF
+
+
+def synthetic_rate(length: float, max_drafts: int, tolerance: float = 1e-12) -> float:
+    """The conditional acceptance rate p with 1 + p + p^2 + ... + p^max_drafts == ``length``, by bisection on
+    [0, 1] (the sum rises strictly with p, from 1 at p = 0 to max_drafts + 1 at p = 1)."""
+    if not 1 <= length <= max_drafts + 1:
+        raise ValueError(f"synthetic acceptance length must be in [1, {max_drafts + 1}] for {max_drafts} drafts "
+                         f"(num_speculative_tokens), got {length!r}")
+    if length in (1, max_drafts + 1):  # exactly: a bisection's near-0 (near-1) rate would still accept (reject)
+        return float(length > 1)
+    low, high = 0.0, 1.0
+    while high - low > tolerance:
+        p = (low + high) / 2
+        if sum(p ** i for i in range(max_drafts + 1)) < length:
+            low = p
+        else:
+            high = p
+    return (low + high) / 2
+
+
+def synthetic_key(request: Request) -> int:
+    """A request's 32-bit key for synthetic draws: from its id and seed, so that runs of the same requests draw
+    the same counts (a CRC rather than ``hash``, which Python salts per process)."""
+    return zlib.crc32(f"{request.request_id}:{request.params.seq_seed}:{request.sample_index}".encode())
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # an integer avalanche on values below 2^32 whose products stay below 2^63: exact in int64 on every device
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def synthetic_accepted(keys: torch.Tensor, positions: torch.Tensor, limits: torch.Tensor, rate: float,
+                       max_drafts: int) -> torch.Tensor:
+    """Drafts accepted per request [B] under synthetic acceptance: each of ``max_drafts`` positions accepted with
+    conditional probability ``rate`` (a run of acceptances, stopping at the first rejection), at most ``limits``
+    [B] (what was verified). ``keys`` [B] (``synthetic_key``) and ``positions`` [B] (each request's first
+    position in the step) pick the draws, so a request's count depends on nothing else in the batch."""
+    index = torch.arange(max_drafts, device=keys.device, dtype=torch.int64)
+    x = _mix32((keys.to(torch.int64) & _MASK32).unsqueeze(1))
+    x = _mix32(x ^ (positions.to(torch.int64) & _MASK32).unsqueeze(1))
+    x = _mix32(x ^ index)
+    # the top 24 bits: uniform on [0, 1) and exact in float32
+    uniform = (x >> 8).to(torch.float32) / float(1 << 24)
+    drawn = (uniform < rate).long().cumprod(dim=1).sum(dim=1)
+    return torch.minimum(drawn, limits.to(torch.int64))
+
+
+def drafts_in_accepted_rows(sampled: torch.Tensor, drafts: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """``sampled`` [B, k + 1] with row j < ``accepted`` [B] holding draft j (``drafts`` [B, k]): the tokens a step
+    emits under synthetic acceptance, the accepted drafts then the target's token at the first rejected row (the
+    inputs those drafts were, so the caches, the drafter and the outputs agree on them)."""
+    k = drafts.shape[1]
+    padded = torch.nn.functional.pad(drafts, (0, sampled.shape[1] - k))
+    keep = torch.arange(sampled.shape[1], device=sampled.device) < accepted.unsqueeze(1)
+    return torch.where(keep, padded.to(sampled.dtype), sampled)
+
+
 @dataclass(slots=True)
 class SpeculationStats:
     """Engine-wide counters, as vLLM reports them."""
@@ -134,13 +206,21 @@ class Speculator:
     """Asks the drafter for the requests that decode next and sizes what the next step verifies."""
 
     def __init__(self, drafter: Drafter, max_drafts: int, confidence_scheduling: bool, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, synthetic_acceptance_length: float | None = None):
         self.drafter = drafter
         self.max_drafts = max_drafts
         self.confidence_scheduling = confidence_scheduling
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
+        self.synthetic_acceptance_length = synthetic_acceptance_length
+        # benchmarks only: each verified draft accepted at this conditional rate, whatever the target samples
+        self.synthetic_rate = (None if synthetic_acceptance_length is None
+                               else synthetic_rate(synthetic_acceptance_length, max_drafts))
+
+    def synthetic_counts(self, keys: torch.Tensor, positions: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+        """``synthetic_accepted`` at this engine's rate."""
+        return synthetic_accepted(keys, positions, limits, self.synthetic_rate, self.max_drafts)
 
     def draft(self, running: list[Request], computed: list[ComputedRows], features: torch.Tensor | None) -> None:
         """``features``: the last step's ``ForwardOutput.features``, which ``computed`` indexes."""

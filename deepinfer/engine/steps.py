@@ -21,7 +21,9 @@ from deepinfer.engine.output_processor import OutputProcessor, host_lists
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.scheduled import ScheduledBatch
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.speculation import Speculator, accepted_on_host
+import torch
+
+from deepinfer.engine.speculation import Speculator, accepted_on_host, synthetic_key
 from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
 
 
@@ -158,8 +160,11 @@ class SpeculativeSteps:
             context.clock.lap("sample")
             now, first, tokens = time.monotonic(), 0, sampled["token_ids"]
             starts = list(itertools.accumulate((r.num_drafts + 1 for r in sampling_requests), initial=0))
-            counts = accepted_on_host([r.draft_token_ids for r in sampling_requests],
-                                      [tokens[a:b] for a, b in itertools.pairwise(starts)])
+            if self.speculator.synthetic_rate is None:
+                counts = accepted_on_host([r.draft_token_ids for r in sampling_requests],
+                                          [tokens[a:b] for a, b in itertools.pairwise(starts)])
+            else:
+                counts = self._synthetic(sampling_requests, starts, tokens)
             for request, count in zip(sampling_requests, counts):
                 drafted = request.num_drafts
                 if drafted:
@@ -175,3 +180,15 @@ class SpeculativeSteps:
         self.speculator.draft(context.scheduler.running, kept, forward.features)
         context.clock.lap("draft")
         return finished
+
+    def _synthetic(self, requests: list[Request], starts: list[int], tokens: list[int]) -> list[int]:
+        """Synthetic acceptance (benchmarks only, ``speculation.synthetic_accepted``): drawn counts, and in
+        ``tokens`` each accepted row's sampled token replaced by its draft, which is what the step emits."""
+        counts = self.speculator.synthetic_counts(
+            torch.tensor([synthetic_key(r) for r in requests], dtype=torch.int64),
+            # the step's first row: the last token before the drafts
+            torch.tensor([len(r.token_ids) - r.num_drafts - 1 for r in requests], dtype=torch.int64),
+            torch.tensor([r.num_drafts for r in requests], dtype=torch.int64)).tolist()
+        for request, start, count in zip(requests, starts, counts):
+            tokens[start:start + count] = request.draft_token_ids[:count]
+        return counts

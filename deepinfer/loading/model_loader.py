@@ -73,12 +73,21 @@ def _hold_experts(model: nn.Module, expert_parallel) -> dict[str, list[int]]:
 
 
 def load_part(module: nn.Module, model_config, model_dir: Path, checkpoint_name, canonical, linear: LinearBackend,
-              device: torch.device, quantization: str = "auto") -> None:
+              device: torch.device, quantization: str = "auto", load_format: str = "auto", seed: int = 0) -> None:
     """Fills ``module`` (built on ``meta``) from the checkpoint tensors ``canonical`` maps onto its names (the
-    others are skipped), as ``load_model`` does (``quantization`` likewise): e.g. a draft model's stages."""
+    others are skipped), as ``load_model`` does (``quantization`` and ``load_format`` likewise): e.g. a draft
+    model's stages."""
     expected = {checkpoint_name(k): (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
     quantizable = quantizable_weights(module, checkpoint_name) if quantization == "auto" else set()
+    if load_format == "dummy" and model_config.quantization_config is None:
+        quantizable = set()
     block = model_config.weight_block_size
-    plan = plan_load(model_dir, expected, naming=naming(canonical), quantizable=quantizable, block=block)
-    stream_into(plan, materialize(module, plan.layout, checkpoint_name, device, linear, block[1]))
+    if load_format == "dummy":
+        layout = dummy_layout(expected, quantizable, block,
+                              fp8_experts=getattr(model_config, "expert_dtype", "fp4") == "fp8")
+        fill_dummy(materialize(module, layout, checkpoint_name, device, linear, block[1]), seed,
+                   model_config.n_routed_experts)
+    else:
+        plan = plan_load(model_dir, expected, naming=naming(canonical), quantizable=quantizable, block=block)
+        stream_into(plan, materialize(module, plan.layout, checkpoint_name, device, linear, block[1]))
     fuse_shared_inputs(module)

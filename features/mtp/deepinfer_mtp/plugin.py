@@ -49,9 +49,11 @@ def deepinfer_drafter(config, context):
 
 
 def _refuse_dummy(config, switch: str) -> None:
-    if config.load_format == "dummy":
+    # synthetic acceptance (benchmarks only) decides acceptance without the drafts' values: random draft weights
+    # then cost what real ones do, which is all such a benchmark measures of them
+    if config.load_format == "dummy" and getattr(config, "synthetic_acceptance_length", None) is None:
         raise ValueError(f"{switch} with load_format='dummy': random draft weights would draft nothing useful. "
-                         "Load real weights or unset it")
+                         "Load real weights, set synthetic_acceptance_length (benchmarks only), or unset it")
 
 
 def _dspark(config, context: DraftContext, c: DeepseekV41ModelConfig, switch: str) -> DSparkDrafter:
@@ -64,7 +66,7 @@ def _dspark(config, context: DraftContext, c: DeepseekV41ModelConfig, switch: st
         draft = DSparkDraft(c, context.rotary, backends.attention, backends.moe, backends.mhc)
     cast_floating(draft, context.dtype, keeps_fp32)
     load_part(draft, c, resolve_model_dir(config.model), DeepseekV41ForCausalLM.checkpoint_name, _draft_stage_name,
-              backends.linear, context.device, config.quantization)
+              backends.linear, context.device, config.quantization, config.load_format, config.seed)
     draft.requires_grad_(False)
     return DSparkDrafter(context, draft, config.max_num_seqs)
 
@@ -81,6 +83,6 @@ def _mtp(config, context: DraftContext, c: DeepseekV4ModelConfig, switch: str) -
                                                       backends.mhc)])
     cast_floating(holder, context.dtype, v4_keeps_fp32)
     load_part(holder, c, resolve_model_dir(config.model), DeepseekV4ForCausalLM.checkpoint_name, _mtp_layer_name,
-              backends.linear, context.device, config.quantization)
+              backends.linear, context.device, config.quantization, config.load_format, config.seed)
     holder.requires_grad_(False)
     return MTPDrafter(context, holder.layers[0], config.max_num_seqs, config.num_speculative_tokens)
