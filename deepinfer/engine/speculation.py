@@ -100,10 +100,13 @@ def verified_on_host(drafts: list[Draft], limits: list[int], floor: float | None
     return verified_lengths(limits, torch.from_numpy(confidence), floor).tolist()
 
 
-def draft_room(ends: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def draft_room(ends, lengths):
     """Drafts worth verifying for requests of ``lengths`` tokens that must end by ``ends`` (``Speculator.end``):
-    a step emits at most one token more than it verifies, and never past ``max_tokens`` or ``max_model_len``."""
-    return (ends - lengths - 1).clamp_min(0)
+    a step emits at most one token more than it verifies, and never past ``max_tokens`` or ``max_model_len``.
+    Tensors on the device (the overlapped tail) or one request's ints on the host (``Speculator.draft``), where
+    building tensors each step would cost more than the rule."""
+    room = ends - lengths - 1
+    return room.clamp_min(0) if isinstance(room, torch.Tensor) else max(room, 0)
 
 
 # -- synthetic acceptance (benchmarks only) ----------------------------------------------------------------------
@@ -225,9 +228,7 @@ class Speculator:
     def draft(self, running: list[Request], computed: list[ComputedRows], features: torch.Tensor | None) -> None:
         """``features``: the last step's ``ForwardOutput.features``, which ``computed`` indexes."""
         candidates = [r for r in running if r.num_pending == 1 and not r.finished]  # no drafts pending
-        rooms = draft_room(torch.tensor([self.end(r) for r in candidates], dtype=torch.int64),
-                           torch.tensor([len(r.token_ids) for r in candidates], dtype=torch.int64)).tolist()
-        rooms = {r: room for r, room in zip(candidates, rooms) if room > 0}
+        rooms = {r: room for r in candidates if (room := draft_room(self.end(r), len(r.token_ids))) > 0}
         decoding = list(rooms)
         if not decoding and not computed:
             return
