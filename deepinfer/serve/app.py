@@ -135,14 +135,12 @@ async def _start(loop: EngineLoop, submissions: list[Submission], events: asynci
                 error = error or event
             elif isinstance(event, Admitted):
                 prompt_tokens += event.num_prompt_tokens
-    except BaseException:
+        if error is not None:
+            raise error
+    except BaseException:  # a refusal, a failure, or the client gone (CancelledError): withdraw, then re-raise
         for submission in started:
             loop.abort(submission)
         raise
-    if error is not None:
-        for submission in started:
-            loop.abort(submission)
-        raise error
     return _Run(submissions, events, prompt_tokens)
 
 
@@ -156,7 +154,7 @@ async def _collect(response, run: _Run, loop: EngineLoop, http: HTTPRequest) -> 
                     raise asyncio.CancelledError from None
                 continue
             response.add(choice, delta)
-    except BaseException:
+    except BaseException:  # the client gone (CancelledError) or a failure: the engine must not keep generating
         for submission in run.submissions:
             loop.abort(submission)
         raise
