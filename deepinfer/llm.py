@@ -84,7 +84,7 @@ class LLM:
         if self.ranks is not None:
             return self.ranks.guarded(lambda: self._generate_on_ranks(prompt_list, params, use_tqdm))
         encoded = [self._encode(i, prompt) for i, prompt in enumerate(prompt_list)]  # all checked before any starts
-        groups = [self._submit(prompt, p, e) for prompt, p, e in zip(prompt_list, params, encoded)]
+        groups = [self.submit(prompt, p, e) for prompt, p, e in zip(prompt_list, params, encoded)]
         self._run(groups, use_tqdm)
         return [self._request_output(group) for group in groups]
 
@@ -101,7 +101,7 @@ class LLM:
         encoded = [self._encode(i, prompt) for i, prompt in enumerate(prompt_list)]
         for index, (prompt, p) in enumerate(zip(prompt_list, params)):
             if index % data_ranks == data_rank:
-                mine[index] = self._submit(prompt, p, encoded[index])
+                mine[index] = self.submit(prompt, p, encoded[index])
             else:
                 self._next_id += 1  # request ids stay the same on every rank
         self._run(list(mine.values()), use_tqdm and ranks.leader)
@@ -145,7 +145,7 @@ class LLM:
             raise ValueError(f"stream generates one completion; got n={params.n}")
         if params.so_args is not None:
             self._check_structured_outputs([params])
-        (request,) = self._submit(_as_prompt_list(prompt)[0], params)
+        (request,) = self.submit(_as_prompt_list(prompt)[0], params)
         shown = 0
         while self.engine.has_unfinished():
             self.engine.step()
@@ -175,8 +175,10 @@ class LLM:
         self.engine.check_prompt(token_ids, f"prompts[{index}]")
         return text, token_ids
 
-    def _submit(self, prompt: Prompt, params: SamplingParams,
-                encoded: tuple[str | None, list[int]] | None = None) -> list[Request]:
+    def submit(self, prompt: Prompt, params: SamplingParams,
+               encoded: tuple[str | None, list[int]] | None = None) -> list[Request]:
+        """Adds ``params.n`` requests for ``prompt`` to the engine (``encoded``: its text and token ids, already
+        checked) and returns them; the caller steps the engine (``generate``, ``stream``, ``deepinfer serve``)."""
         text, token_ids = encoded or self._encode(0, prompt)
         request_id = str(self._next_id)
         self._next_id += 1

@@ -87,7 +87,7 @@ def test_a_step_is_left_in_flight_only_when_overlapping(which, tiny_v4_checkpoin
     checkpoint = tiny_v4_checkpoint if which == "v4" else V41_FIXTURE
     for asynchronous in (False, True):
         llm = _llm(checkpoint, monkeypatch, asynchronous, {})
-        llm._submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        llm.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         llm.engine.step()
         assert llm.engine.steps.in_flight is asynchronous
         while llm.engine.has_unfinished():
@@ -105,8 +105,8 @@ def test_a_request_preempted_while_its_last_token_is_in_flight_finishes_cleanly(
     """Its last token, resolved while it waits in the queue, ends it there; the other request runs on."""
     llm = _llm(tiny_v4_checkpoint, monkeypatch, True, {})
     engine = llm.engine
-    done = llm._submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
-    other = llm._submit([9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    done = llm.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    other = llm.submit([9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     engine.step()  # prefill both; their first tokens are in flight
     engine.step()  # second tokens launched, first ones resolved
     assert done.token_ids[-1] == -1  # its last token is still on the device

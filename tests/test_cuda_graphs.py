@@ -79,7 +79,7 @@ def test_decode_inputs_fast_path_equals_the_padded_generic_ones(which, tiny_v4_c
     model, args = dict(zip(["v4", "v4.1"], _models(tiny_v4_checkpoint)))[which]
     llm = LLM(model, dtype="float32", device="cpu", block_size=16, **args)
     for prompt in ([5, 9, 13], list(range(3, 70)), [7] * 33):
-        llm._submit(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        llm.submit(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine = llm.engine
     prefill = engine.scheduler.schedule()
     engine.scheduler.update(prefill)

@@ -313,7 +313,7 @@ def test_the_model_runner_returns_the_sampled_rows_logits(tiny_v4_checkpoint):
 
     llm = LLM(str(tiny_v4_checkpoint), dtype="float32", max_num_batched_tokens=8)
     for prompt in ([5, 6, 7], list(range(3, 15))):
-        llm._submit(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        llm.submit(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     engine = llm.engine
     scheduled = engine.scheduler.schedule()
     assert [(row.start, row.count, row.samples) for row in scheduled] == [(0, 3, True), (0, 5, False)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -70,7 +69,6 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._outstanding = 0  # submissions not yet finished: what --max-queued bounds
         self._active: list[Submission] = []
-        self._ids = itertools.count()
         self._stopping = False
         self.counters = self.engine.counters()  # a copy, refreshed by the loop: /metrics reads it from other threads
         self.error: BaseException | None = None
@@ -134,8 +132,8 @@ class EngineLoop:
 
     def _admit(self, submission: Submission) -> None:
         try:
-            token_ids = (self.llm.tokenizer.encode(submission.prompt, add_special_tokens=submission.add_special_tokens) if isinstance(submission.prompt, str)
-                         else list(submission.prompt))
+            token_ids = (self.llm.tokenizer.encode(submission.prompt, add_special_tokens=submission.add_special_tokens)
+                         if isinstance(submission.prompt, str) else list(submission.prompt))
             self.engine.check_prompt(token_ids, submission.name)
             params = submission.params
             if submission.fill_max_tokens:
@@ -150,15 +148,8 @@ class EngineLoop:
         except (ValueError, NotImplementedError) as exc:
             self._refuse(submission, invalid(str(exc), "response_format" if "so_args" in str(exc) else None))
             return
-        request_id = f"serve-{next(self._ids)}"
-        for sample in range(params.n):
-            request = Request(request_id=request_id, sample_index=sample,
-                              prompt=submission.prompt if isinstance(submission.prompt, str) else None,
-                              prompt_token_ids=token_ids, params=params,
-                              eos_token_ids=tuple(self.engine.model_config.eos_token_id))
-            request.metrics.num_prompt_tokens = len(token_ids)
-            self.engine.add_request(request)
-            submission.requests.append(request)
+        text = submission.prompt if isinstance(submission.prompt, str) else None
+        submission.requests.extend(self.llm.submit(submission.prompt, params, encoded=(text, token_ids)))
         submission.shown = [0] * params.n
         self._active.append(submission)
         submission.send(Admitted(len(token_ids)))

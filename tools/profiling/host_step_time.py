@@ -35,7 +35,7 @@ def main() -> None:
         llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu", max_num_seqs=batch,
                   max_num_batched_tokens=8192)
         for i in range(batch):
-            llm._submit([3 + (7 * j + i) % 1000 for j in range(prompt)],
+            llm.submit([3 + (7 * j + i) % 1000 for j in range(prompt)],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         engine = llm.engine
         prefill = engine.scheduler.schedule()

@@ -95,7 +95,7 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=5 * args.steps + 8, ignore_eos=True)
     for i in range(args.batch_size):
-        llm._submit([(977 * i + 31 * j) % (vocab - 3) + 3 for j in range(args.input_len)], params)
+        llm.submit([(977 * i + 31 * j) % (vocab - 3) + 3 for j in range(args.input_len)], params)
     engine = llm.engine
     while any(r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()

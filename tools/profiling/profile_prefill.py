@@ -36,7 +36,7 @@ def main() -> None:
 
     def prefill(seed: int) -> float:
         for i in range(args.batch_size):  # fresh token ids per call: the prefix cache never shortens the prefill
-            llm._submit([(977 * i + 31 * j + 7919 * seed) % (vocab - 3) + 3 for j in range(args.input_len)], params)
+            llm.submit([(977 * i + 31 * j + 7919 * seed) % (vocab - 3) + 3 for j in range(args.input_len)], params)
         sync()
         start = time.perf_counter()
         engine.step()
