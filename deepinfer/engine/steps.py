@@ -102,6 +102,8 @@ class DecodeSteps:
         on_device = previous is not None and not tokens_on_host
         forward = runner.forward(scheduled, (lambda token_ids: previous.fill(scheduled, token_ids)) if on_device
                                  else None)
+        if self.inflight is not None:  # still unresolved as this forward pass is launched
+            context.totals.steps_launched_ahead += 1
         launched = None
         if sampling_requests:
             rows = [(r, 0) for r in sampling_requests]

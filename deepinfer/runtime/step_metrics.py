@@ -46,6 +46,8 @@ class EngineTotals:
     """Counts since the engine started (``LLMEngine.counters`` adds the scheduler's and the caches' state)."""
 
     steps: int = 0
+    # asynchronous scheduling: steps whose forward pass was launched before the previous step's tokens were booked
+    steps_launched_ahead: int = 0
     prompt_tokens: int = 0  # of the requests added
     cached_prompt_tokens: int = 0  # of finished requests: prompt tokens a prefix-cache hit did not recompute
     generation_tokens: int = 0  # of finished requests

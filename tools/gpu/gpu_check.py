@@ -1,5 +1,5 @@
 """One-shot GPU check of the reference path: parity with HF on CUDA and a throughput pair."""
-import json, os
+import json, os, subprocess, sys
 import torch
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -39,12 +39,12 @@ bf = LLM(str(ckpt), dtype="bfloat16", device="cuda")
 out["bf16_runs"] = len(bf.generate(prompts[:2], G, use_tqdm=False)[0].outputs[0].token_ids)
 
 small = build_tiny_v4("/tmp/small_gpu", **SMALL_V4)
-for n in (1, 16):
-    args = type("A", (), dict(model=str(small), dtype="float32", input_len=128, output_len=64, num_prompts=n, seed=0, device="cuda"))
-    from deepinfer.bench import throughput as bench
-    ps = bench._prompts(n, 128, 512, 0)
-    torch.cuda.synchronize()
-    out[f"bench_b{n}"] = {"deepinfer": bench.run_deepinfer(args, ps), "hf": bench.run_hf(args, ps)}
+for n in (1, 16):  # the throughput pair through the command users run, HF timed in the same process
+    result = f"/tmp/gpu_check_b{n}.json"
+    subprocess.run([sys.executable, "-m", "deepinfer.cli", "bench", "latency", "--model", str(small), "--dtype", "float32",
+                    "--batch-size", str(n), "--input-len", "128", "--output-len", "64", "--compare-hf",
+                    "--output-json", result], check=True)
+    out[f"bench_b{n}"] = json.load(open(result))
 print(json.dumps(out, indent=1))
 os.makedirs(os.environ.get("OUT", "/tmp/out"), exist_ok=True)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp/out"), "gpu_check.json"), "w"), indent=1)
