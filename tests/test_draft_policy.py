@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.engine import draft_policy
-from deepinfer.engine.draft_policy import (PROBE_INTERVAL, WARMUP_SAMPLES, DraftPolicy, batch_bucket, best_length,
-                                           choose, expected_tokens, record_acceptance, record_cost)
+from deepinfer.engine.draft_policy import (MIN_PROBE_INTERVAL, PROBE_BUDGET, WARMUP_SAMPLES, DraftPolicy,
+                                           batch_bucket, best_length, choose, expected_tokens, record_acceptance,
+                                           record_cost, tokens_per_second)
 
 
 def _measured(max_drafts: int, bucket: int, cost_of, rate: float | list[float]) -> DraftPolicy:
@@ -22,9 +23,10 @@ def _measured(max_drafts: int, bucket: int, cost_of, rate: float | list[float]) 
 
 
 def _accepting(policy: DraftPolicy, rate: float) -> None:
-    """Acceptance ``rate`` at every position, as if measured over many requests."""
-    policy.reached = [1000.0] * policy.max_drafts
-    policy.accepted = [1000.0 * rate] * policy.max_drafts
+    """Each draft accepted with conditional probability ``rate`` (draft ``j`` emitted with ``rate ** (j + 1)``), as
+    if measured over many requests."""
+    policy.offered = [1000.0] * policy.max_drafts
+    policy.emitted = [1000.0 * rate ** (j + 1) for j in range(policy.max_drafts)]
 
 
 # a memory-bound step: drafts nearly free (a verification step of k drafts costs 1 + 0.02 k plain steps)
@@ -39,10 +41,16 @@ def test_buckets_are_powers_of_two():
         batch_bucket(0)
 
 
-def test_expected_tokens_multiplies_the_conditional_rates():
-    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1
-    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_tokens([0.8, 0.0, 1.0], 3) == pytest.approx(1.8)  # nothing survives a rejected position
+def test_expected_tokens_adds_each_position_s_share():
+    assert expected_tokens([0.5, 0.25, 0.125], 0) == 1
+    assert expected_tokens([0.5, 0.25, 0.125], 2) == pytest.approx(1.75)
+    assert expected_tokens([0.5, 0.25, 0.125], 3) == pytest.approx(1.875)
+
+
+def test_a_position_never_promises_more_than_the_one_before():
+    policy = DraftPolicy(3)
+    policy.offered, policy.emitted = [100.0, 100.0, 1.0], [40.0, 10.0, 1.0]  # position 2: one lucky request
+    assert policy.acceptance == [0.4, 0.1, 0.1]
 
 
 def test_high_acceptance_and_cheap_rows_draft_the_longest():
@@ -90,29 +98,47 @@ def test_warm_up_times_every_length_longest_first_then_exploits():
         order.append(k)
         record_cost(policy, 8, k, DEAR_ROWS(k))
     assert order == [k for k in (3, 2, 1, 0) for _ in range(WARMUP_SAMPLES)]
-    record_acceptance(policy, [3] * 8, [0] * 8)
+    record_acceptance(policy, 3, [0] * 8)
     assert choose(policy, 8, (0, 1, 2, 3)) == (0, "best")
 
 
-def test_probes_follow_a_fixed_schedule_and_revisit_the_stalest_length():
-    """Past warm-up every PROBE_INTERVAL-th decision of a bucket re-times the length measured longest ago; two
-    runs with the same measurements make the same decisions."""
-    def run():
-        policy = _measured(3, 4, DEAR_ROWS, 0.1)
-        decisions = []
-        for _ in range(3 * PROBE_INTERVAL):
-            k, reason = choose(policy, 4, (0, 1, 2, 3))
-            decisions.append((k, reason))
-            record_cost(policy, 4, k, DEAR_ROWS(k))
-        return decisions
+def test_probes_re_time_the_other_lengths_within_the_budget_on_a_fixed_schedule():
+    """Past warm-up a length other than the best is re-timed when due: the further below the best, the rarer, so
+    that probing costs about PROBE_BUDGET of the throughput; two runs with the same measurements decide alike."""
+    choices = (0, 1, 2, 3)
 
-    decisions = run()
-    probes = [i for i, (_, reason) in enumerate(decisions) if reason == "probe"]
-    assert probes == [PROBE_INTERVAL - 1, 2 * PROBE_INTERVAL - 1, 3 * PROBE_INTERVAL - 1]
-    # each probe a different length (the stalest), every other decision the best: plain decoding
-    assert len({decisions[i][0] for i in probes}) == 3 and 0 not in {decisions[i][0] for i in probes}
-    assert all(k == 0 for i, (k, _) in enumerate(decisions) if i not in probes)
-    assert run() == decisions
+    def run(decisions: int):
+        policy = _measured(3, 4, DEAR_ROWS, 0.1)
+        made = []
+        for _ in range(decisions):
+            k, reason = choose(policy, 4, choices)
+            made.append((k, reason))
+            record_cost(policy, 4, k, DEAR_ROWS(k))
+        return policy, made
+
+    policy, made = run(400)
+    rates = tokens_per_second(policy, 4, choices)
+    assert max(rates, key=rates.get) == 0  # drafts do not pay here: plain decoding is the best
+    probes = [(i, k) for i, (k, reason) in enumerate(made) if reason == "probe"]
+    # the closest to the best is due first, after 3 (1 - r) / PROBE_BUDGET decisions
+    first_due = min(3 * (1 - rates[k] / rates[0]) / PROBE_BUDGET for k in (1, 2, 3))
+    assert probes[0][0] == int(-(-first_due // 1)) and probes[0][1] == 1
+    assert {k for _, k in probes} == {1, 2, 3}  # every other length is seen again
+    lost = sum(1 - rates[k] / rates[0] for _, k in probes)  # in best-length steps
+    assert lost <= 1.5 * PROBE_BUDGET * len(made)
+    assert all(k == 0 for k, reason in made if reason == "best")
+    assert run(400)[1] == made
+
+
+def test_a_length_as_good_as_the_best_is_re_timed_every_min_probe_interval():
+    # k = 1 always accepted: 2 tokens for twice a plain step's cost, less the margin drafts must clear: a tie
+    policy = _measured(1, 2, lambda k: 0.02 / (1 + draft_policy.DRAFT_MARGIN) if k else 0.01, 1.0)
+    made = []
+    for _ in range(3 * MIN_PROBE_INTERVAL):
+        made.append(choose(policy, 2, (0, 1)))
+        record_cost(policy, 2, made[-1][0], policy.costs[2, made[-1][0]])
+    probes = [i for i, (_, reason) in enumerate(made) if reason == "probe"]
+    assert probes == [MIN_PROBE_INTERVAL, 2 * MIN_PROBE_INTERVAL + 1]  # each due MIN_PROBE_INTERVAL after its last
 
 
 def test_buckets_learn_apart():
@@ -129,19 +155,21 @@ def test_padded_steps_choose_between_plain_and_the_longest():
     assert choose(policy, 16, (0, 5))[0] == 5
 
 
-def test_acceptance_is_measured_per_position_over_the_requests_that_reached_it():
+def test_acceptance_is_the_share_of_requests_that_emit_each_draft():
     policy = DraftPolicy(3)
     assert policy.acceptance == [0.5, 0.5, 0.5]  # the prior, until measured
-    decay, prior_reached, prior_accepted = (draft_policy.ACCEPTANCE_DECAY, draft_policy.PRIOR_REACHED,
-                                            draft_policy.PRIOR_ACCEPTED)
-    # three requests verified 3, 3 and 1 drafts, and accepted 3, 1 and 0: position 0 reached by 3 (2 accepted),
-    # position 1 by 2 (1 accepted), position 2 by 1 (accepted)
-    record_acceptance(policy, [3, 3, 1], [3, 1, 0])
-    expected = [(decay * prior_accepted + a) / (decay * prior_reached + r) for a, r in ((2, 3), (1, 2), (1, 1))]
+    decay, prior_offered, prior_emitted = (draft_policy.ACCEPTANCE_DECAY, draft_policy.PRIOR_OFFERED,
+                                           draft_policy.PRIOR_EMITTED)
+    # a step of length 3 whose three requests accepted 3, 1 and 0 drafts (the last maybe cut by its confidence:
+    # it counts, the cut is part of what the length yields)
+    record_acceptance(policy, 3, [3, 1, 0])
+    expected = [(decay * prior_emitted + e) / (decay * prior_offered + 3) for e in (2, 1, 1)]
     assert policy.acceptance == pytest.approx(expected)
-    for _ in range(500):  # a long run of rejections at position 0 outweighs the past
-        record_acceptance(policy, [3] * 8, [0] * 8)
-    assert policy.acceptance[0] < 0.01 and policy.acceptance[1] == pytest.approx(expected[1])
+    record_acceptance(policy, 1, [0, 0])  # a step of length 1 says nothing of positions 1 and 2
+    assert policy.acceptance[0] < expected[0] and policy.offered[1] == pytest.approx(decay * prior_offered + 3)
+    for _ in range(500):  # a long run of rejections outweighs the past
+        record_acceptance(policy, 3, [0] * 8)
+    assert max(policy.acceptance) < 0.01
 
 
 def test_a_cost_is_the_median_of_the_last_steps():
@@ -159,6 +187,7 @@ def test_a_cost_is_the_median_of_the_last_steps():
     (lambda p: choose(p, 1, (0, 4)), r"must be in \[0, 3\]"),
     (lambda p: record_cost(p, 1, 0, 0.0), "must be > 0 seconds"),
     (lambda p: best_length(p, 1, (0, 1)), "no measured cost"),
+    (lambda p: record_acceptance(p, 4, [0]), r"draft length must be in \[0, 3\]"),
 ])
 def test_bad_input_is_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
@@ -175,7 +204,8 @@ def test_summary_names_choices_costs_and_acceptance():
     policy = _measured(2, 1, CHEAP_ROWS, 0.5)
     choose(policy, 1, (0, 1, 2))
     line = draft_policy.summary(policy)
-    assert "draft policy (measured)" in line and "b1/k0" in line and "acceptance by position [0.500, 0.500]" in line
+    assert "draft policy (measured) since the engine started" in line and "b1/k0" in line
+    assert "acceptance by position [0.500, 0.250]" in line
 
 
 # -- in the engine: outputs stay those of decoding without drafts -------------------------------------------------
@@ -257,3 +287,13 @@ def test_an_unknown_policy_is_refused():
 
     with pytest.raises(ValueError, match="speculation_policy .*DEEPINFER_SPECULATION_POLICY.* must be one of measured, floor"):
         EngineConfig(speculation_policy="fastest")
+
+
+def test_drafts_must_clear_the_margin():
+    """A length that promises a little more than plain decoding per step is not taken: requests that accept less
+    than the mean would be left decoding in small batches at the end."""
+    gain = 1 + draft_policy.DRAFT_MARGIN / 2
+    policy = _measured(1, 8, lambda k: 0.02 / gain if k else 0.01, 1.0)  # 2 tokens for 2 / gain plain steps
+    assert best_length(policy, 8, (0, 1)) == 0
+    policy = _measured(1, 8, lambda k: 0.02 / (2 * gain) if k else 0.01, 1.0)
+    assert best_length(policy, 8, (0, 1)) == 1

@@ -124,6 +124,7 @@ class OverlappedSpeculation:
         # before (a run's first step verifies the host's drafts)
         self.last_launch: float | None = None
         self.host_draft_seconds = 0.0
+        self._plain_next = False  # the policy ended the steady run: the step resolved next keeps no drafts
 
     @property
     def in_flight(self) -> bool:
@@ -178,8 +179,6 @@ class OverlappedSpeculation:
                 s.pending_choice, s.pending_draft_seconds = 0, 0.0
                 return None
         return self.context.scheduler.schedule_ahead(requests, self.rows)
-
-    _plain_next = False  # the policy ended the steady run: the step resolved next keeps no drafts
 
     # -- the device's side ------------------------------------------------------------------------
     def _launch(self, scheduled: ScheduledBatch, previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
@@ -324,8 +323,9 @@ class OverlappedSpeculation:
         now, finished, kept = time.monotonic(), [], {}
         policy = self.speculator.policy
         if policy is not None:
-            live = [row for request, row in zip(inflight.requests, rows) if not request.finished]
-            draft_policy.record_acceptance(policy, [row[3] for row in live], [row[2] for row in live])
+            # every request of a padded step may verify the longest drafts (less its own cuts)
+            draft_policy.record_acceptance(policy, self.speculator.max_drafts, [
+                row[2] for request, row in zip(inflight.requests, rows) if not request.finished])
         for i, (request, (_, drafts, accepted, verified, length)) in enumerate(zip(inflight.requests, rows)):
             if request.finished:  # found finished by the step before, while this one was in flight
                 continue

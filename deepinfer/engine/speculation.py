@@ -242,14 +242,14 @@ class Speculator:
             return MIN_SURVIVAL
         return survival_floor(decoding, self.max_drafts, self.max_num_batched_tokens)
 
-    def record_step(self, scheduled, verified: list[int], accepted: list[int], seconds: float) -> None:
-        """A synchronous step's time and acceptance, for the measured policy. Only decode-only steps drafted for
-        by the policy are timed: a prefill chunk's cost says nothing about a draft length's."""
+    def record_step(self, scheduled, accepted: list[int], seconds: float) -> None:
+        """A synchronous step's time and its requests' accepted drafts, for the measured policy. Only decode-only
+        steps drafted for by the policy are timed: a prefill chunk's cost says nothing about a draft length's."""
         if self.policy is None:
             return
         choice, self.pending_choice = self.pending_choice, None
-        if any(verified):
-            draft_policy.record_acceptance(self.policy, verified, accepted)
+        if choice:
+            draft_policy.record_acceptance(self.policy, choice, accepted)
         decode_only = all(row.samples and row.count == row.drafts + 1 for row in scheduled)
         if choice is not None and decode_only and scheduled:
             draft_policy.record_cost(self.policy, len(scheduled), choice, seconds + self.pending_draft_seconds)

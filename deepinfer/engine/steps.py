@@ -152,7 +152,6 @@ class SpeculativeSteps:
         started = time.perf_counter()  # the measured draft policy prices the step by its wall time
         context.count_step()
         sampling_requests = scheduled.sampling
-        verified = [r.num_drafts for r in sampling_requests]
         forward = context.runner.forward(scheduled)
         logits = forward.logits
         finished, accepted = [], {}
@@ -179,7 +178,7 @@ class SpeculativeSteps:
         kept = context.scheduler.update(scheduled, accepted, finished)
         context.count_finished(finished)
         context.clock.lap("outputs")
-        self.speculator.record_step(scheduled, verified, [accepted.get(r, 0) for r in sampling_requests],
+        self.speculator.record_step(scheduled, [accepted.get(r, 0) for r in sampling_requests],
                                     time.perf_counter() - started)
         self.speculator.draft(context.scheduler.running, kept, forward.features)
         context.clock.lap("draft")
