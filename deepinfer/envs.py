@@ -62,7 +62,15 @@ class Envs:
     )
     DEEPINFER_ENABLE_MTP_VARLEN: bool | None = _variable(
         "bool", None, "Speculative decoding (features/mtp), on when set: `1` verifies per request the draft prefix "
-        "its confidence and the step's load justify, `0` every draft up to the maximum draft length. Unset: off.",
+        "its confidence and the step's load justify (the load as DEEPINFER_SPECULATION_POLICY prices it), `0` every "
+        "draft up to the maximum draft length. Unset: off.",
+    )
+    DEEPINFER_SPECULATION_POLICY: str = _variable(
+        "choice", "measured", "With `DEEPINFER_ENABLE_MTP_VARLEN=1`, how each step's draft length is picked: `measured` "
+        "times steps and counts acceptance per draft position, and picks the length (0: plain decoding, no draft "
+        "pass) with the most expected tokens per second; `floor` verifies the prefix whose confidence clears a "
+        "floor rising with the step's load. Ignored otherwise.",
+        choices=("measured", "floor"),
     )
     DEEPINFER_USE_NEXTN_DECODE: int = _variable(
         "int", 5, "Most draft tokens a step verifies per request, when a drafter plugin serves the model.", minimum=1,

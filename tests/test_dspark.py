@@ -25,6 +25,9 @@ mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not in
 @pytest.fixture(autouse=True)
 def switched_on(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    # these tests check the drafter under the load-based floor, whose lengths do not depend on timing; the measured
+    # policy is tests/test_draft_policy.py's
+    monkeypatch.setenv("DEEPINFER_SPECULATION_POLICY", "floor")
     envs.reload()
 
 
@@ -175,16 +178,22 @@ def test_bench_speculative_reports_both_runs_and_acceptance(tmp_path, monkeypatc
         main(["bench", "speculative", "--model", "deepinfer-tiny-v4.1", "--batch-sizes", "2", "--output-len", "12",
               "--quantization", "none", "--output-json", str(out)])
     result = json.loads(out.read_text())["batch_2"]
-    assert result["same_tokens"] and set(result["speedup"]) == {"fixed_length", "confidence_scheduled",
-                                                                "fixed_length_synchronous"}
-    for mode in ("fixed_length", "confidence_scheduled", "fixed_length_synchronous"):
+    drafted_modes = ("fixed_length", "confidence_scheduled", "measured_policy", "fixed_length_synchronous")
+    assert result["same_tokens"] and set(result["speedup"]) == set(drafted_modes)
+    for mode in drafted_modes:
         drafted = result[mode]
+        # the step split: verification forward, draft passes, sampling and acceptance, host
+        assert set(drafted["step_split_ms"]) == {"verification_forward", "draft_passes", "sampling_acceptance", "host"}
+        if mode == "measured_policy":  # the policy's decisions of the timed run, with their reasons
+            assert sum(drafted["policy_choices"].values()) > 0
+            continue
         assert result["speedup"][mode] > 0 and drafted["drafts"] > 0
         assert drafted["mean_acceptance_length"] == 1 + drafted["accepted_tokens"] / drafted["drafts"]
         assert len(drafted["acceptance_rate_by_position"]) >= 1
         assert drafted["per_step_ms"]["draft"] > 0  # the drafter's time per step, reported apart
     assert result["without_drafts"]["per_step_ms"]["draft"] == 0
     assert result["fixed_length"]["draft_tokens"] > result["confidence_scheduled"]["draft_tokens"]
+    assert "policy_choices" not in result["confidence_scheduled"]
     # on a CPU no step replays a graph, so none overlaps (test_overlapped_speculation.py runs them padded)
     assert result["fixed_length"]["overlapped_steps"] == result["fixed_length_synchronous"]["overlapped_steps"] == 0
     assert result["fixed_length"]["draft_tokens"] == result["fixed_length_synchronous"]["draft_tokens"]

@@ -156,6 +156,7 @@ def test_confidence_scheduling_verifies_a_different_length_per_request(tiny_v4_c
         return [0.99] * 5 if tuple(request.prompt_token_ids) == sure else [0.9, 0.05, 0.9, 0.9, 0.9]
 
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    monkeypatch.setenv("DEEPINFER_SPECULATION_POLICY", "floor")  # the floor rule, not the measured step length
     envs.reload()
     drafter = OracleDrafter(continuations(greedy_v4), confidence=confidence)
     outputs, llm = generate_with(tiny_v4_checkpoint, PROMPTS[:2], GREEDY, drafter, plugin="mtp")  # the switch's plugin

@@ -2,12 +2,16 @@
 
 Text prompts (drafts are only worth measuring on text a model can predict; random ids would accept nothing):
 the built-in Python snippets, or one prompt per line of ``--prompts-file``, cycled to ``--batch-size``. Each
-batch size runs three times on the same prompts, greedy, after a warm-up of each: without drafts
-(``enable_mtp_varlen=None``), then with the installed drafter (e.g. features/mtp's DSpark) verifying every draft
-(``False``, fixed length) and with confidence-scheduled lengths (``True``). Reports decode tokens/s of each, the
-speed-ups, vLLM's acceptance counters, and whether the runs generated the same tokens. A fourth run, fixed length
-with ``async_scheduling=False``, is the peer of speculative steps that overlap the host
-(``engine/overlapped_speculation.py``): the same verification, each step waiting for the host.
+batch size runs on the same prompts, greedy, after a warm-up of each (in the same engine, so the measured policy
+starts the timed run with what it learnt): without drafts (``enable_mtp_varlen=None``), then with the installed
+drafter (e.g. features/mtp's DSpark) verifying every draft (``False``, fixed length), with confidence-scheduled
+lengths under the load-based floor (``True``, ``speculation_policy="floor"``) and under the measured policy
+(``"measured"``, ``engine/draft_policy.py``). Reports decode tokens/s of each, the speed-ups, vLLM's acceptance
+counters, whether the runs generated the same tokens, each run's step split (``step_split_ms``: verification
+forward, draft passes, sampling and acceptance, host) and, for the measured policy, how often it chose each draft
+length (``policy_choices``). One more run, fixed length with ``async_scheduling=False``, is the peer of
+speculative steps that overlap the host (``engine/overlapped_speculation.py``): the same verification, each step
+waiting for the host. ``--modes`` runs a subset (``without_drafts`` always runs: it is every ratio's peer).
 
 ``--synthetic-acceptance-length L [L ...]`` (benchmarks only, ``EngineConfig.synthetic_acceptance_length``) runs,
 after the run without drafts, one fixed-length run per ``L`` whose drafts are drafted and verified as always but
@@ -34,18 +38,30 @@ PROMPTS = [
 ]
 
 
-# mode -> (enable_mtp_varlen, async_scheduling); the last is the peer of overlapped speculative steps: the same
-# fixed-length verification, each step waiting for the host
-MODES = {"without_drafts": (None, True), "fixed_length": (False, True), "confidence_scheduled": (True, True),
-         "fixed_length_synchronous": (False, False)}
+# mode -> (enable_mtp_varlen, async_scheduling, speculation_policy); the last is the peer of overlapped speculative
+# steps: the same fixed-length verification, each step waiting for the host
+MODES = {"without_drafts": (None, True, "measured"), "fixed_length": (False, True, "measured"),
+         "confidence_scheduled": (True, True, "floor"), "measured_policy": (True, True, "measured"),
+         "fixed_length_synchronous": (False, False, "measured")}
 
 
-def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous: bool,
+def step_split(per_step_ms: dict[str, float]) -> dict[str, float]:
+    """``StepMetrics``' phases grouped as speculation's costs: the forward pass (on a CPU, or a verification step
+    that waits for the host, its run; overlapped, its launch), the draft passes (with the drafter's store of the
+    step's rows), sampling and acceptance (with waiting for the device's result), and the host's own work."""
+    ms = per_step_ms
+    return {"verification_forward": round(ms["forward"], 3), "draft_passes": round(ms["draft"], 3),
+            "sampling_acceptance": round(ms["sample"] + ms["wait"], 3),
+            "host": round(ms["schedule"] + ms["prepare"] + ms["outputs"], 3)}
+
+
+def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous: bool, policy: str,
          synthetic: float | None = None) -> dict:
     from deepinfer import SamplingParams
 
     speculative = varlen is not None
     llm = build_llm(args, max_num_seqs=max(batch, 1), enable_mtp_varlen=varlen, async_scheduling=asynchronous,
+                    speculation_policy=policy,
                     **({} if synthetic is None else {"synthetic_acceptance_length": synthetic}))
     if speculative and llm.engine.speculator is None:
         raise SystemExit(f"no drafter serves this model with enable_mtp_varlen={varlen} (is features/mtp "
@@ -56,6 +72,8 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
     llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.speculator.stats if speculative else None
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) if stats else None
+    policy_state = llm.engine.speculator.policy if speculative else None
+    chosen_before = policy_state.chosen.copy() if policy_state is not None else None
     overlapped_before = overlap.launches["following"] if overlap is not None else 0
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     _synchronize()
@@ -71,6 +89,7 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
     metrics = llm.engine.step_metrics
     result = {"decode_tokens_per_second": batch * (args.output_len - 1) / max(elapsed - prefill, 1e-9),
               "steps": metrics.steps, "per_step_ms": {k: round(v, 3) for k, v in metrics.per_step_ms().items()},
+              "step_split_ms": step_split(metrics.per_step_ms()),
               "token_ids": [o.outputs[0].token_ids for o in outputs],
               # verification steps launched before the host had the previous one's result
               "overlapped_steps": (overlap.launches["following"] - overlapped_before) if overlap is not None else 0}
@@ -83,6 +102,10 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
                       mean_acceptance_length=1 + accepted / drafts if drafts else None,
                       acceptance_rate_by_position=[
                           sum(p[i] for p in per_request if i < len(p)) / max(drafts, 1) for i in range(positions)])
+    if policy_state is not None:  # the timed run's decisions: "k (reason)" -> count
+        chosen = policy_state.chosen - chosen_before
+        result["policy_choices"] = {f"{k} ({reason})": n for (reason, k), n in sorted(chosen.items(),
+                                                                                       key=lambda item: item[0][1])}
     del llm
     _release()
     return result
@@ -103,7 +126,8 @@ def run(args, vocab: int) -> dict:
         if synthetic:
             results[f"batch_{batch}"] = _synthetic_runs(args, batch, prompts, synthetic)
             continue
-        runs = {name: _run(args, batch, prompts, *mode) for name, mode in MODES.items()}
+        runs = {name: _run(args, batch, prompts, *mode) for name, mode in MODES.items()
+                if name == "without_drafts" or args.modes is None or name in args.modes}
         tokens = [run.pop("token_ids") for run in runs.values()]
         plain = runs["without_drafts"]["decode_tokens_per_second"]
         results[f"batch_{batch}"] = {
@@ -131,6 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts-file", help="one prompt per line (\\n escapes become newlines)")
+    parser.add_argument("--modes", nargs="+", choices=[m for m in MODES if m != "without_drafts"],
+                        help="the runs with drafts to time (default: all); the run without drafts always runs")
     parser.add_argument("--synthetic-acceptance-length", type=float, nargs="+", metavar="L",
                         help="benchmarks only: instead of the real runs with drafts, one fixed-length run per L whose "
                              "drafts are accepted at random for a mean acceptance length of L (outputs are not the "

@@ -77,6 +77,8 @@ class EngineConfig:
     accelerator: str = _from_environment("DEEPINFER_ACCELERATOR")
     # speculative decoding: None off, True confidence-scheduled draft lengths, False fixed length
     enable_mtp_varlen: bool | None = _from_environment("DEEPINFER_ENABLE_MTP_VARLEN")
+    # with enable_mtp_varlen=True: "measured" step draft lengths from timed steps, "floor" the load-based floor
+    speculation_policy: str = _from_environment("DEEPINFER_SPECULATION_POLICY")
     num_speculative_tokens: int = _from_environment("DEEPINFER_USE_NEXTN_DECODE")
     # benchmarks only: accept drafts at random so that the mean acceptance length is this (engine/speculation.py);
     # outputs are then not the target model's

@@ -40,8 +40,9 @@ from deepinfer.engine.output_processor import host_lists
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.scheduled import ScheduledBatch
 from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling_batch
-from deepinfer.engine.speculation import (accepted_counts, draft_room, drafts_in_accepted_rows, survival_floor,
-                                          synthetic_key, verified_lengths)
+from deepinfer.engine import draft_policy
+from deepinfer.engine.speculation import (accepted_counts, draft_room, drafts_in_accepted_rows, synthetic_key,
+                                          verified_lengths)
 from deepinfer.engine.steps import SpeculativeSteps, StepContext
 from deepinfer.runtime.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
@@ -119,6 +120,11 @@ class OverlappedSpeculation:
         self.rows = 1 + self.speculator.max_drafts
         self.inflight: SpeculativeInFlight | None = None
         self.launches = Counter()  # "first" of a steady run, "following" a step in flight
+        # the measured policy's clock: when the step in flight was launched, and what the host spent drafting for it
+        # before (a run's first step verifies the host's drafts)
+        self.last_launch: float | None = None
+        self.host_draft_seconds = 0.0
+        self._plain_next = False  # the policy ended the steady run: the step resolved next keeps no drafts
 
     @property
     def in_flight(self) -> bool:
@@ -132,8 +138,9 @@ class OverlappedSpeculation:
             if scheduled is not None:
                 self.inflight = self._launch(scheduled, previous)
                 return self._resolve(previous)
-            finished = self._resolve(previous)
-            self.inflight = None
+            finished = self._resolve(previous, keep_drafts=not self._plain_next)
+            self._time_step(previous)  # the run's last step: launched until booked
+            self.inflight, self.last_launch = None, None
         else:
             finished = []
         scheduled = context.schedule()
@@ -151,15 +158,26 @@ class OverlappedSpeculation:
 
     def _can_launch(self, scheduled: ScheduledBatch) -> bool:
         """The first step of a steady run: a verification step of decoding requests only, from the host's drafts."""
+        if self.speculator.policy is not None and not any(r.num_drafts for r in scheduled.requests):
+            return False  # the policy chose plain decoding: a padded verification step would verify nothing
         return (self.runner.replays(scheduled) and not self.runner.model.needs_host_tokens
                 and all(self._device_ready(r) for r in scheduled.requests))
 
     def _schedule_after(self, previous: SpeculativeInFlight) -> ScheduledBatch | None:
         """The next step of a steady run (``Scheduler.schedule_ahead``); None where the host must first see
         ``previous``'s result."""
+        self._plain_next = False
         requests = [r for r in previous.requests if not r.finished]
         if len(requests) > self.runner.graphs.sizes[-1] or not all(self._device_ready(r) for r in requests):
             return None
+        s = self.speculator
+        if s.policy is not None and requests:
+            k, _ = draft_policy.choose(s.policy, len(requests), s.policy_choices)
+            if k == 0:  # plain decoding next: the steady run ends, its last drafts are dropped unverified
+                self._plain_next = True
+                # the next (synchronous) step is booked under 0; its drafts' pass ran in this step's period
+                s.pending_choice, s.pending_draft_seconds = 0, 0.0
+                return None
         return self.context.scheduler.schedule_ahead(requests, self.rows)
 
     # -- the device's side ------------------------------------------------------------------------
@@ -169,6 +187,13 @@ class OverlappedSpeculation:
         requests = scheduled.requests
         self.context.count_step()
         self.launches["following" if previous is not None else "first"] += 1
+        if previous is not None:
+            self._time_step(previous)  # a steady step's period: launch to launch
+        s = self.speculator
+        # a run's first step verifies the host's drafts, drafted (and timed) by the synchronous step before
+        self.host_draft_seconds = s.pending_draft_seconds if previous is None else 0.0
+        s.pending_choice = None  # this step is timed here, not as a synchronous step
+        self.last_launch = time.perf_counter()
         if previous is not None:
             index = {id(r): i for i, r in enumerate(previous.requests)}
             source = to_device(torch.tensor([index[id(r)] for r in requests], dtype=torch.int64), device)
@@ -213,8 +238,8 @@ class OverlappedSpeculation:
         def padded(values: list, fill) -> list:  # the graph's padding requests: greedy, unseeded, nothing to verify
             return values + [fill] * pad
 
-        floor = (survival_floor(len(requests), s.max_drafts, s.max_num_batched_tokens) if s.confidence_scheduling
-                 else 0.0)
+        floor = s.floor(len(requests))
+        floor = 0.0 if floor is None else floor
         floats = [padded([p.temperature for p in params], 0.0), padded([p.top_p for p in params], 1.0),
                   padded([p.min_p for p in params], 0.0), padded([floor] * len(requests), floor)]
         ends = [s.end(r) for r in requests]
@@ -277,16 +302,30 @@ class OverlappedSpeculation:
         per_row.copy_(ids.unfold(1, h, 1)[:, :rows])
         return ids
 
+    def _time_step(self, inflight: SpeculativeInFlight) -> None:
+        """Books ``inflight``'s time for the measured policy, under the longest drafts (what a padded step
+        verifies): from its launch to the next launch, or to its booking where the run ends with it."""
+        if self.speculator.policy is None or self.last_launch is None:
+            return
+        seconds = time.perf_counter() - self.last_launch + self.host_draft_seconds
+        draft_policy.record_cost(self.speculator.policy, len(inflight.requests), self.speculator.max_drafts, seconds)
+
     # -- the host's side --------------------------------------------------------------------------
-    def _resolve(self, inflight: SpeculativeInFlight) -> list[Request]:
+    def _resolve(self, inflight: SpeculativeInFlight, keep_drafts: bool = True) -> list[Request]:
         """Books ``inflight``'s result as the engine's synchronous verification would: stats, tokens and stops,
-        progress, and each request's drafts for its next step."""
+        progress, and each request's drafts for its next step (none where ``keep_drafts`` is False: the policy
+        chose plain decoding)."""
         context = self.context
         packed, logprobs = inflight.wait(context.clock)
         rows = [_Outcome.unpack(row, self.rows) for row in packed]
         sampled = host_lists(logprobs)
         sampled["token_ids"] = [token for row in rows for token in row[0]]
         now, finished, kept = time.monotonic(), [], {}
+        policy = self.speculator.policy
+        if policy is not None:
+            # every request of a padded step may verify the longest drafts (less its own cuts)
+            draft_policy.record_acceptance(policy, self.speculator.max_drafts, [
+                row[2] for request, row in zip(inflight.requests, rows) if not request.finished])
         for i, (request, (_, drafts, accepted, verified, length)) in enumerate(zip(inflight.requests, rows)):
             if request.finished:  # found finished by the step before, while this one was in flight
                 continue
@@ -298,7 +337,8 @@ class OverlappedSpeculation:
             if context.outputs.extend(request, list(range(first, first + accepted + 1)), sampled, now):
                 finished.append(request)
                 continue
-            request.set_drafts(drafts[:length])
+            if keep_drafts:
+                request.set_drafts(drafts[:length])
         context.scheduler.update(inflight.batch, kept, finished)
         context.count_finished(finished)
         context.clock.lap("outputs")

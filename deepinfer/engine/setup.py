@@ -75,11 +75,16 @@ def speculator(config: EngineConfig, model, max_model_len: int) -> Speculator | 
         logger.warning("synthetic_acceptance_length=%s (benchmarks only): drafts are accepted at random for that "
                        "mean acceptance length, so outputs are NOT the target model's",
                        config.synthetic_acceptance_length)
+    lengths = "fixed length"
+    if config.enable_mtp_varlen:
+        lengths = ("confidence-scheduled lengths, each step's length measured (speculation_policy='measured': "
+                   "plain decoding where drafts do not pay)" if config.speculation_policy == "measured" else
+                   "confidence-scheduled lengths, load-based floor (speculation_policy='floor')")
     logger.info("speculative decoding: drafter %s (plugin %s), up to %d drafts per step, %s", offer[0].name,
-                offer[1], config.num_speculative_tokens,
-                "confidence-scheduled lengths" if config.enable_mtp_varlen else "fixed length")
+                offer[1], config.num_speculative_tokens, lengths)
     return Speculator(offer[0], config.num_speculative_tokens, config.enable_mtp_varlen,
-                      config.max_num_batched_tokens, max_model_len, config.synthetic_acceptance_length)
+                      config.max_num_batched_tokens, max_model_len, config.synthetic_acceptance_length,
+                      measured_policy=config.speculation_policy == "measured")
 
 
 def prefill_truncation(config: EngineConfig, model_config, model, max_model_len: int,
@@ -203,6 +208,8 @@ def step_mode(context: StepContext, speculation: Speculator | None, asynchronous
     if speculation is None:
         return DecodeSteps(context, asynchronous)
     verification = SpeculativeSteps(context, speculation)
+    if context.runner.graphs is not None:  # padded steps cost the same for every draft length but none
+        speculation.policy_choices = (0, speculation.max_drafts)
     if not asynchronous:
         return verification
     drafter = speculation.drafter

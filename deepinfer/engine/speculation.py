@@ -22,12 +22,15 @@ Synthetic acceptance (``EngineConfig.synthetic_acceptance_length``) is for bench
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from deepinfer.engine import draft_policy
+from deepinfer.engine.draft_policy import DraftPolicy
 from deepinfer.runner.grammar_masks import allowed_drafts
 from deepinfer.runtime.request import Request
 from deepinfer.logger import init_logger
@@ -209,7 +212,7 @@ class Speculator:
     """Asks the drafter for the requests that decode next and sizes what the next step verifies."""
 
     def __init__(self, drafter: Drafter, max_drafts: int, confidence_scheduling: bool, max_num_batched_tokens: int,
-                 max_model_len: int, synthetic_acceptance_length: float | None = None):
+                 max_model_len: int, synthetic_acceptance_length: float | None = None, measured_policy: bool = False):
         self.drafter = drafter
         self.max_drafts = max_drafts
         self.confidence_scheduling = confidence_scheduling
@@ -220,6 +223,36 @@ class Speculator:
         # benchmarks only: each verified draft accepted at this conditional rate, whatever the target samples
         self.synthetic_rate = (None if synthetic_acceptance_length is None
                                else synthetic_rate(synthetic_acceptance_length, max_drafts))
+        # confidence scheduling's measured policy (engine/draft_policy.py): the step's draft length from timed steps
+        self.policy = DraftPolicy(max_drafts) if confidence_scheduling and measured_policy else None
+        # the lengths a step can verify at different costs; padded (CUDA-graph) steps cost the same for every k > 0,
+        # so the step modes that pad narrow this to (0, max_drafts)
+        self.policy_choices = tuple(range(max_drafts + 1))
+        # the length chosen for the next step and what drafting for it cost: booked with that step's time
+        self.pending_choice: int | None = None
+        self.pending_draft_seconds = 0.0
+
+    def floor(self, decoding: int) -> float | None:
+        """The per-request survival floor of a step of ``decoding`` requests (None: no confidence scheduling). With
+        the measured policy the step's load is priced by measured cost instead, so only the lowest floor remains:
+        drafts nearly certain to fail are not verified."""
+        if not self.confidence_scheduling:
+            return None
+        if self.policy is not None:
+            return MIN_SURVIVAL
+        return survival_floor(decoding, self.max_drafts, self.max_num_batched_tokens)
+
+    def record_step(self, scheduled, accepted: list[int], seconds: float) -> None:
+        """A synchronous step's time and its requests' accepted drafts, for the measured policy. Only decode-only
+        steps drafted for by the policy are timed: a prefill chunk's cost says nothing about a draft length's."""
+        if self.policy is None:
+            return
+        choice, self.pending_choice = self.pending_choice, None
+        if choice:
+            draft_policy.record_acceptance(self.policy, choice, accepted)
+        decode_only = all(row.samples and row.count == row.drafts + 1 for row in scheduled)
+        if choice is not None and decode_only and scheduled:
+            draft_policy.record_cost(self.policy, len(scheduled), choice, seconds + self.pending_draft_seconds)
 
     def synthetic_counts(self, keys: torch.Tensor, positions: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
         """``synthetic_accepted`` at this engine's rate."""
@@ -232,15 +265,23 @@ class Speculator:
         decoding = list(rooms)
         if not decoding and not computed:
             return
+        started = time.perf_counter()
+        limit = self.max_drafts
+        if self.policy is not None and decoding:
+            limit, _ = draft_policy.choose(self.policy, len(decoding), self.policy_choices)
+            self.pending_choice = limit
+            if limit == 0:  # plain decoding next: the drafter only keeps what was computed, no draft pass
+                self.drafter.propose([], computed, features)
+                self.pending_draft_seconds = time.perf_counter() - started
+                return
         # asked even when no request decodes next (a chunk of a long prefill): the drafter keeps what was computed
         drafts = self.drafter.propose(decoding, computed, features)
         if len(drafts) != len(decoding):
             raise RuntimeError(f"drafter {self.drafter.name} returned {len(drafts)} drafts for {len(decoding)} requests")
+        self.pending_draft_seconds = time.perf_counter() - started
         if not drafts:
             return
-        floor = (survival_floor(len(decoding), self.max_drafts, self.max_num_batched_tokens)
-                 if self.confidence_scheduling else None)
-        lengths = verified_on_host(drafts, [min(self.max_drafts, rooms[r]) for r in decoding], floor)
+        lengths = verified_on_host(drafts, [min(limit, rooms[r]) for r in decoding], self.floor(len(decoding)))
         for request, draft, length in zip(decoding, drafts, lengths):
             if request.grammar is not None:  # structured outputs: only drafts the grammar allows are verified
                 length = allowed_drafts(request.grammar, draft.token_ids[:length])
@@ -259,4 +300,6 @@ class Speculator:
 def log_summary(speculator: Speculator | None) -> None:
     if speculator is not None and speculator.stats.num_drafts:
         logger.info(speculator.stats.summary())
+    if speculator is not None and speculator.policy is not None and speculator.policy.chosen:
+        logger.info(draft_policy.summary(speculator.policy))
 

@@ -151,6 +151,7 @@ class SpeculativeSteps:
         if not scheduled:
             context.runner.idle()
             return []
+        started = time.perf_counter()  # the measured draft policy prices the step by its wall time
         context.count_step()
         sampling_requests = scheduled.sampling
         forward = context.runner.forward(scheduled)
@@ -179,6 +180,8 @@ class SpeculativeSteps:
         kept = context.scheduler.update(scheduled, accepted, finished)
         context.count_finished(finished)
         context.clock.lap("outputs")
+        self.speculator.record_step(scheduled, [accepted.get(r, 0) for r in sampling_requests],
+                                    time.perf_counter() - started)
         self.speculator.draft(context.scheduler.running, kept, forward.features)
         context.clock.lap("draft")
         return finished

@@ -1,0 +1,185 @@
+"""The measured draft-length policy of confidence scheduling (``DEEPINFER_SPECULATION_POLICY=measured``).
+
+Drafts pay only when the tokens they add outrun what they cost, and both sides are measured here rather than
+guessed. Per batch bucket (the next power of two of the requests decoding) the engine times every decode-only step
+and books it under the draft length ``k`` that was chosen for it (``record_cost``): the step's wall time plus the
+draft pass that produced its drafts (``k = 0``: no draft pass, only the drafter's store of the computed rows, which
+every step pays). Each step with drafts books, per draft position ``j`` below its length, how many of its requests
+had draft ``j`` accepted (``record_acceptance``): ``e_j``, the share of requests that emit draft ``j`` when a step
+may verify it. That share already holds every cut a request's drafts get (its confidence, ``max_tokens``), so
+``1 + e_0 + ... + e_{k-1}`` is what a step of length ``k`` is expected to emit per request.
+
+The rule (``choose``), for the step about to be drafted for, over the lengths the engine can run (``choices``):
+
+1. warm-up: a length with fewer than ``WARMUP_SAMPLES`` timed steps in this bucket runs first (longest first,
+   which also measures acceptance at every position);
+2. probe: a length other than the best is re-timed when due, so that costs and acceptance that drift are seen
+   again; it is due ``n (1 - r) / PROBE_BUDGET`` decisions after it was last timed, ``r`` its expected tokens per
+   second relative to the best's and ``n`` the number of other lengths (at least ``MIN_PROBE_INTERVAL``), so
+   probes cost the bucket at most about ``PROBE_BUDGET`` of its throughput; the most overdue goes first. The schedule follows the counts and the
+   estimates only: no random draws;
+3. otherwise the best: the length with the most expected tokens per second, ``(1 + e_0 + ... + e_{k-1}) /
+   cost(k)``, drafts' discounted by ``1 + DRAFT_MARGIN``, ties to the shorter. ``k = 0`` (plain decoding: no
+   drafts, no draft pass) wins wherever drafts do not pay.
+
+Wall time is what a synchronous step costs the engine whatever the device does (the step waits for its result);
+an overlapped step (``engine/overlapped_speculation.py``) is timed launch to launch, its period in steady decoding.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from deepinfer.logger import init_logger
+
+logger = init_logger(__name__)
+
+WARMUP_SAMPLES = 2  # timed steps per (bucket, length) before the policy trusts its cost
+PROBE_BUDGET = 0.01  # the share of a bucket's throughput that re-timing the lengths other than the best may cost
+MIN_PROBE_INTERVAL = 16  # decisions between re-timings of one length at least, however close it is to the best
+# drafts must promise this much more than plain decoding per second: a step's count is a mean over its requests, and
+# the ones that accept less than the mean end later, decoding in small batches that cost nearly a full step each
+# (the embedded model at batch 8 on a CPU: +16% per step predicted for 5 drafts, 0.87x realized)
+DRAFT_MARGIN = 0.25
+# a length's cost is the median of its last few step times: a shared host's stalls (a step 5x its usual time) must
+# not decide for dozens of steps, and costs drift as contexts grow
+COST_WINDOW = 5
+# acceptance counts decay by this per step they are booked in, so a position's share follows the recent text
+ACCEPTANCE_DECAY = 0.98
+# a prior of one request per position, its draft emitted half the time: 0.5 until measured, which one request's
+# first step then moves only halfway
+PRIOR_OFFERED, PRIOR_EMITTED = 1.0, 0.5
+
+
+@dataclass(slots=True)
+class DraftPolicy:
+    """The policy's running estimates. ``recent[(bucket, k)]``: the last step times (seconds) of a step verifying
+    ``k`` drafts per request, ``costs`` their median; ``samples`` how many steps were timed; ``measured_at`` the
+    bucket's decision count at the last; ``offered[j]`` and ``emitted[j]`` the decayed counts of requests in steps
+    that could verify draft position ``j`` and of those that accepted draft ``j``."""
+
+    max_drafts: int
+    recent: dict[tuple[int, int], deque] = field(default_factory=dict)
+    costs: dict[tuple[int, int], float] = field(default_factory=dict)
+    samples: Counter = field(default_factory=Counter)
+    measured_at: dict[tuple[int, int], int] = field(default_factory=dict)
+    decisions: Counter = field(default_factory=Counter)  # per bucket
+    offered: list[float] = field(default_factory=list)
+    emitted: list[float] = field(default_factory=list)
+    chosen: Counter = field(default_factory=Counter)  # per (reason, k): the summary's histogram
+
+    def __post_init__(self):
+        if isinstance(self.max_drafts, bool) or not isinstance(self.max_drafts, int) or self.max_drafts < 1:
+            raise ValueError(f"the draft policy needs max_drafts >= 1, got {self.max_drafts!r}")
+        self.offered = [PRIOR_OFFERED] * self.max_drafts
+        self.emitted = [PRIOR_EMITTED] * self.max_drafts
+
+    @property
+    def acceptance(self) -> list[float]:
+        """Per draft position ``j``, the share of requests that emit draft ``j`` where a step may verify it; never
+        more than position ``j - 1``'s (draft ``j`` is emitted only after draft ``j - 1``), which keeps a position
+        measured from few steps from promising more than the ones before it."""
+        shares, ceiling = [], 1.0
+        for emitted, offered in zip(self.emitted, self.offered):
+            ceiling = min(ceiling, emitted / offered)
+            shares.append(ceiling)
+        return shares
+
+
+def batch_bucket(requests: int) -> int:
+    """The bucket whose costs a step of ``requests`` decoding requests shares: the next power of two."""
+    if requests < 1:
+        raise ValueError(f"a decode step has at least one request, got {requests}")
+    return 1 << (requests - 1).bit_length()
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """Tokens a request is expected to emit from a step that may verify ``k`` drafts: the token after the last
+    accepted draft, plus each draft ``j < k`` with its share of being emitted (``DraftPolicy.acceptance``)."""
+    return 1.0 + sum(acceptance[:k])
+
+
+def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tuple[int, str]:
+    """The draft length for the next step of ``requests`` decoding requests, and why (warm-up, probe, best)."""
+    if not choices or any(not 0 <= k <= policy.max_drafts for k in choices):
+        raise ValueError(f"draft lengths to choose from must be in [0, {policy.max_drafts}], got {choices!r}")
+    bucket = batch_bucket(requests)
+    decision = policy.decisions[bucket]
+    policy.decisions[bucket] += 1
+    longest_first = sorted(choices, reverse=True)
+    unmeasured = [k for k in longest_first if policy.samples[bucket, k] < WARMUP_SAMPLES]
+    if unmeasured:
+        k, reason = unmeasured[0], "warm-up"
+    else:
+        rates = tokens_per_second(policy, bucket, choices)
+        best = max(sorted(rates), key=lambda k: rates[k])
+        others = [k for k in longest_first if k != best]
+        # decisions past each other length's due time: its last timing plus its share of the probe budget
+        overdue = {k: decision - policy.measured_at[bucket, k]
+                   - max(MIN_PROBE_INTERVAL, len(others) * (1 - rates[k] / rates[best]) / PROBE_BUDGET)
+                   for k in others}
+        due = [k for k in others if overdue[k] >= 0]
+        if due:
+            k, reason = max(due, key=lambda k: overdue[k]), "probe"
+        else:
+            k, reason = best, "best"
+    policy.chosen[reason, k] += 1
+    logger.debug("draft policy: %d requests (bucket %d), decision %d: %d drafts (%s); cost ms %s, acceptance %s",
+                 requests, bucket, decision, k, reason,
+                 {k: round(policy.costs[bucket, k] * 1e3, 2) for k in choices if (bucket, k) in policy.costs},
+                 [round(a, 3) for a in policy.acceptance])
+    return k, reason
+
+
+def tokens_per_second(policy: DraftPolicy, bucket: int, choices: tuple[int, ...]) -> dict[int, float]:
+    """Expected tokens per second per request of each measured length in ``bucket``, drafts' discounted by
+    ``DRAFT_MARGIN``: what the choice compares."""
+    acceptance = policy.acceptance
+    rates = {k: expected_tokens(acceptance, k) / policy.costs[bucket, k] / (1 + DRAFT_MARGIN if k else 1)
+             for k in choices if (bucket, k) in policy.costs}
+    if not rates:
+        raise ValueError(f"no measured cost in bucket {bucket} for lengths {choices!r}")
+    return rates
+
+
+def best_length(policy: DraftPolicy, bucket: int, choices: tuple[int, ...]) -> int:
+    """The measured length with the most expected tokens per second in ``bucket`` (the shorter on a tie)."""
+    rates = tokens_per_second(policy, bucket, choices)
+    return max(sorted(rates), key=lambda k: rates[k])
+
+
+def record_cost(policy: DraftPolicy, requests: int, k: int, seconds: float) -> None:
+    """A decode step of ``requests`` requests, drafted for with length ``k``, took ``seconds``."""
+    if not seconds > 0:
+        raise ValueError(f"a step's measured time must be > 0 seconds, got {seconds!r}")
+    key = (batch_bucket(requests), k)
+    recent = policy.recent.setdefault(key, deque(maxlen=COST_WINDOW))
+    recent.append(seconds)
+    policy.costs[key] = statistics.median(recent)
+    policy.samples[key] += 1
+    policy.measured_at[key] = policy.decisions[key[0]]
+
+
+def record_acceptance(policy: DraftPolicy, length: int, accepted: list[int]) -> None:
+    """One step whose requests could verify up to ``length`` drafts each: ``accepted`` per request (a request
+    whose own cut left it fewer drafts counts too; that cut is part of what the length yields)."""
+    if not 0 <= length <= policy.max_drafts:
+        raise ValueError(f"a step's draft length must be in [0, {policy.max_drafts}], got {length!r}")
+    if not accepted:
+        return
+    for j in range(length):
+        policy.offered[j] = ACCEPTANCE_DECAY * policy.offered[j] + len(accepted)
+        policy.emitted[j] = ACCEPTANCE_DECAY * policy.emitted[j] + sum(1 for a in accepted if a > j)
+
+
+def summary(policy: DraftPolicy) -> str:
+    """One line for the log: each length chosen how often and why (``b``: batch bucket, ``k``: drafts per
+    request), and the estimates now."""
+    chosen = ", ".join(f"{k} drafts x{n} ({reason})" for (reason, k), n in sorted(policy.chosen.items(),
+                                                                                   key=lambda item: item[0][1]))
+    costs = ", ".join(f"b{bucket}/k{k} {seconds * 1e3:.2f}" for (bucket, k), seconds in sorted(policy.costs.items()))
+    rates = ", ".join(f"{a:.3f}" for a in policy.acceptance)
+    return (f"draft policy (measured) since the engine started: {chosen or 'no decisions'}; step cost ms now "
+            f"[{costs}]; acceptance by position [{rates}]")
