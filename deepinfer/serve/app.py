@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -38,14 +39,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         param = ".".join(p for p in where if not p.startswith(("list[", "str", "int", "float", "dict["))) or None
         return invalid(f"{param or 'body'}: {first.get('msg')}", param).response()
 
-    @app.middleware("http")
-    async def check_api_key(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                type="authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_APIKey, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -92,6 +87,23 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)
 
     return app
+
+
+class _APIKey:
+    """Requests to /v1/* need ``Authorization: Bearer KEY``. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` wraps ``receive`` so that a handler no longer sees its client disconnect."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                    type="authentication_error", code="invalid_api_key").response()
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _check_model(asked: str, served: str) -> None:
@@ -143,15 +155,19 @@ async def _start(loop: EngineLoop, submissions: list[Submission], events: asynci
 
 
 async def _collect(response, run: _Run, loop: EngineLoop, http: HTTPRequest) -> dict:
+    # checked by the clock, not only when no delta came for a while: a busy engine sends one every step
+    checked = time.monotonic()
     try:
         while run.open:
             try:
                 choice, delta = await asyncio.wait_for(run.next(), _DISCONNECT_POLL_S)
+                response.add(choice, delta)
             except asyncio.TimeoutError:
+                pass
+            if time.monotonic() - checked >= _DISCONNECT_POLL_S:
+                checked = time.monotonic()
                 if await http.is_disconnected():
-                    raise asyncio.CancelledError from None
-                continue
-            response.add(choice, delta)
+                    raise asyncio.CancelledError
     except BaseException:  # the client gone (CancelledError) or a failure: the engine must not keep generating
         for submission in run.submissions:
             loop.abort(submission)

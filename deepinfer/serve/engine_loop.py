@@ -52,7 +52,7 @@ class Submission:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     requests: list[Request] = field(default_factory=list)
-    shown: list[tuple[int, int]] = field(default_factory=list)  # per sample: (characters, tokens) sent
+    shown: list[tuple[int, int]] = field(default_factory=list)  # per sample: (characters, logprobs) sent
 
     def send(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
@@ -175,17 +175,19 @@ class EngineLoop:
     def _route(self) -> None:
         for submission in list(self._active):
             for request in submission.requests:
-                text, (shown, shown_tokens) = request.detokenizer.text, submission.shown[request.sample_index]
+                text, (shown, shown_logprobs) = request.detokenizer.text, submission.shown[request.sample_index]
                 if shown < 0:  # its last delta went out
                     continue
-                tokens = request.num_output_tokens
-                if len(text) > shown or tokens > shown_tokens or request.finished:
+                # logprobs are booked as each token resolves, which may be a step after it was sampled (asynchronous
+                # scheduling): they are counted on their own, not by num_output_tokens
+                booked = 0 if request.logprobs is None else len(request.logprobs)
+                if len(text) > shown or booked > shown_logprobs or request.finished:
                     logprobs = None if request.logprobs is None else list(zip(
-                        request.output_token_ids[shown_tokens:tokens], request.logprobs[shown_tokens:tokens]))
-                    submission.send(Delta(request.sample_index, text[shown:], tokens,
+                        request.output_token_ids[shown_logprobs:booked], request.logprobs[shown_logprobs:booked]))
+                    submission.send(Delta(request.sample_index, text[shown:], request.num_output_tokens,
                                           request.finish_reason if request.finished else None,
                                           request.stop_reason, logprobs))
-                    submission.shown[request.sample_index] = (-1, -1) if request.finished else (len(text), tokens)
+                    submission.shown[request.sample_index] = (-1, -1) if request.finished else (len(text), booked)
             if all(r.finished for r in submission.requests):
                 self._done(submission)
 

@@ -57,7 +57,8 @@ class _Sampling(_Body):
     def sampling_params(self, max_tokens: int, so_args: dict | None = None) -> SamplingParams:
         """``SamplingParams``' own checks name the field refused (temperature=-1: a 400 naming temperature)."""
         self._refuse_unsupported()
-        given = dict(logprobs=self.num_logprobs(), n=self.n, temperature=self.temperature, top_p=self.top_p, stop=self.stop, seq_seed=self.seed,
+        given = dict(logprobs=self.num_logprobs(), n=self.n, temperature=self.temperature, top_p=self.top_p,
+                     stop=self.stop, seq_seed=self.seed,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens,
                      repetition_penalty=self.repetition_penalty, stop_token_ids=self.stop_token_ids,
