@@ -242,3 +242,15 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server):
         time.sleep(0.05)
     assert loop.counters["generation_tokens"] - before["generation_tokens"] < 2000  # it stopped early
     assert loop.counters["cache_usage"] == before["cache_usage"]  # its blocks went back
+
+
+def test_the_engines_refusals_name_their_field(server, client):
+    """EngineLoop._admit maps each check's refusal to its own field: the prompt's length, the schema."""
+    too_long = [5] * (server[0].engine.max_model_len + 1)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=too_long, max_tokens=1)
+    assert refused.value.body["param"] == "prompt" and "max_model_len" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       response_format={"type": "json_object"}, extra_body={"min_tokens": 2})
+    assert refused.value.body["param"] == "response_format"
