@@ -17,6 +17,7 @@ from deepinfer.serve.engine_loop import Admitted, Delta, EngineLoop, Submission
 from deepinfer.serve.errors import APIError, invalid
 from deepinfer.serve.protocol import ChatRequest, CompletionRequest
 from deepinfer.serve.responses import Chat, Completion, usage
+
 _DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
