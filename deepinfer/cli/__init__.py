@@ -13,6 +13,7 @@ torch.set_flush_denormal(True)
 
 from deepinfer import envs  # noqa: E402
 from deepinfer.bench import fullscale, load, parallel, replay, speculative, structured, throughput  # noqa: E402
+from deepinfer.bench import serve as serve_bench  # noqa: E402
 from deepinfer.cli import commands as cli_commands  # noqa: E402
 from deepinfer.cli import serve as serve_cli  # noqa: E402
 from deepinfer.plugins.manager import PluginError  # noqa: E402
@@ -76,9 +77,13 @@ def _run(argv: list[str]) -> None:
     parallel.add_arguments(kinds.add_parser("parallel", help="one rank against data/expert parallelism, EPLB"))
     fullscale.add_arguments(kinds.add_parser("fullscale", help="a model across N GPUs: data-parallel attention, "
                                              "expert-parallel experts (no one-GPU peer)"))
+    serve_bench.add_arguments(kinds.add_parser(
+        "serve", help="deepinfer serve under load: TTFT, TPOT, ITL, throughput (vllm bench serve's flags)",
+        description="Streams random prompts to deepinfer serve on loopback (started here, or --base-url) at "
+                    "--request-rate with at most --max-concurrency in flight; several values of either sweep."))
     args = parser.parse_args(argv)
     if args.command == "bench":
-        (load.main if args.kind == "load" else throughput.main)(args)
+        {"load": load.main, "serve": serve_bench.main}.get(args.kind, throughput.main)(args)
     else:
         args.run(args)
 

@@ -7,7 +7,6 @@ import asyncio
 import json
 import secrets
 import time
-import uuid
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +16,8 @@ from deepinfer.chat_encoding import encode_chat
 from deepinfer.serve.engine_loop import Admitted, Delta, EngineLoop, Submission
 from deepinfer.serve.errors import APIError, invalid
 from deepinfer.serve.protocol import ChatRequest, CompletionRequest
+from deepinfer.serve.responses import Chat, Completion, usage
 
-END_THINK = "</think>"
 _DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -41,14 +40,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         param = ".".join(p for p in where if not p.startswith(("list[", "str", "int", "float", "dict["))) or None
         return invalid(f"{param or 'body'}: {first.get('msg')}", param).response()
 
-    @app.middleware("http")
-    async def check_api_key(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                type="authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_APIKey, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -74,14 +67,15 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         submissions = [Submission(p, params, name=f"prompt[{i}]" if len(prompts) > 1 else "prompt", index=i,
                                   events=events) for i, p in enumerate(prompts)]
         run = await _start(loop, submissions, events)
-        response = _Completion(body, model_name, run)
+        response = Completion(body, model_name, run)
         return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HTTPRequest):
         _check_model(body.model, model_name)
+        tools = body.tool_definitions()
         try:
-            text = encode_chat(body.conversation(), body.thinking, reasoning_effort=body.reasoning_effort)
+            text = encode_chat(body.conversation(), body.thinking, tools=tools, reasoning_effort=body.reasoning_effort)
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
         so_args = body.response_format.so_args() if body.response_format is not None else None
@@ -90,10 +84,27 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         events: asyncio.Queue = asyncio.Queue()
         run = await _start(loop, [Submission(text, params, fill_max_tokens=limit is None, name="messages",
                                              add_special_tokens=False, events=events)], events)
-        response = _Chat(body, model_name, run)
+        response = Chat(body, model_name, run, tools=tools is not None)
         return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)
 
     return app
+
+
+class _APIKey:
+    """Requests to /v1/* need ``Authorization: Bearer KEY``. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` wraps ``receive`` so that a handler no longer sees its client disconnect."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                    type="authentication_error", code="invalid_api_key").response()
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _check_model(asked: str, served: str) -> None:
@@ -145,15 +156,19 @@ async def _start(loop: EngineLoop, submissions: list[Submission], events: asynci
 
 
 async def _collect(response, run: _Run, loop: EngineLoop, http: HTTPRequest) -> dict:
+    # checked by the clock, not only when no delta came for a while: a busy engine sends one every step
+    checked = time.monotonic()
     try:
         while run.open:
             try:
                 choice, delta = await asyncio.wait_for(run.next(), _DISCONNECT_POLL_S)
+                response.add(choice, delta)
             except asyncio.TimeoutError:
+                pass
+            if time.monotonic() - checked >= _DISCONNECT_POLL_S:
+                checked = time.monotonic()
                 if await http.is_disconnected():
-                    raise asyncio.CancelledError from None
-                continue
-            response.add(choice, delta)
+                    raise asyncio.CancelledError
     except BaseException:  # the client gone (CancelledError) or a failure: the engine must not keep generating
         for submission in run.submissions:
             loop.abort(submission)
@@ -171,7 +186,7 @@ def _stream(response, run: _Run, loop: EngineLoop) -> StreamingResponse:
                 for chunk in response.chunks(choice, delta):
                     yield _sse(chunk)
             if response.include_usage:
-                yield _sse(response.chunk([], usage=_usage(run)))
+                yield _sse(response.chunk([], usage=usage(run)))
             yield "data: [DONE]\n\n"
         except APIError as exc:  # the engine failed after the headers went out: OpenAI's clients read this
             yield _sse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
@@ -185,118 +200,6 @@ def _stream(response, run: _Run, loop: EngineLoop) -> StreamingResponse:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _usage(run: _Run) -> dict:
-    return {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.completion_tokens,
-            "total_tokens": run.prompt_tokens + run.completion_tokens}
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    return reason  # the engine's "stop" and "length" are OpenAI's; "abort" never reaches a connected client
-
-
-class _Response:
-    object: str
-    prefix: str
-
-    def __init__(self, body, model: str, run: _Run):
-        self.model, self.created = model, int(time.time())
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
-        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
-        self.choices = len(run.submissions) * run.n
-        self.finish = [None] * self.choices
-
-    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        out = {"id": self.id, "object": f"{self.object}.chunk" if self.object == "chat.completion" else self.object,
-               "created": self.created, "model": self.model, "choices": choices}
-        if self.include_usage:
-            out["usage"] = usage
-        return out
-
-    def opening(self) -> list[dict]:
-        return []
-
-
-class _Completion(_Response):
-    object, prefix = "text_completion", "cmpl"
-
-    def __init__(self, body, model, run):
-        super().__init__(body, model, run)
-        self.text = [""] * self.choices
-
-    def add(self, choice: int, delta: Delta) -> None:
-        self.text[choice] += delta.text
-        self.finish[choice] = _finish_reason(delta.finish_reason)
-
-    def whole(self, run: _Run) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [{"index": i, "text": self.text[i], "logprobs": None, "finish_reason": self.finish[i]}
-                            for i in range(self.choices)], "usage": _usage(run)}
-
-    def chunks(self, choice: int, delta: Delta) -> list[dict]:
-        return [self.chunk([{"index": choice, "text": delta.text, "logprobs": None,
-                             "finish_reason": _finish_reason(delta.finish_reason)}])]
-
-
-class _Chat(_Response):
-    """In thinking mode the output is "reasoning</think>answer": the reasoning goes out as ``reasoning_content``."""
-
-    object, prefix = "chat.completion", "chatcmpl"
-
-    def __init__(self, body, model, run):
-        super().__init__(body, model, run)
-        self.thinking = body.thinking
-        self.text = [""] * self.choices
-        self.sent = [(0, 0)] * self.choices  # (reasoning, content) characters streamed so far
-
-    def _split(self, text: str, finished: bool) -> tuple[str, str]:
-        if not self.thinking:
-            return "", text
-        reasoning, end, content = text.partition(END_THINK)
-        if end or finished:
-            return reasoning, content
-        # a tail that may still become </think> is held back
-        for keep in range(len(END_THINK) - 1, 0, -1):
-            if reasoning.endswith(END_THINK[:keep]):
-                return reasoning[:-keep], ""
-        return reasoning, ""
-
-    def _message(self, reasoning: str, content: str) -> dict:
-        message = {"role": "assistant", "content": content}
-        if self.thinking:
-            message["reasoning_content"] = reasoning
-        return message
-
-    def add(self, choice: int, delta: Delta) -> None:
-        self.text[choice] += delta.text
-        self.finish[choice] = _finish_reason(delta.finish_reason)
-
-    def whole(self, run: _Run) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [{"index": i, "message": self._message(*self._split(self.text[i], True)),
-                             "logprobs": None, "finish_reason": self.finish[i]} for i in range(self.choices)],
-                "usage": _usage(run)}
-
-    def opening(self) -> list[dict]:
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]) for i in range(self.choices)]
-
-    def chunks(self, choice: int, delta: Delta) -> list[dict]:
-        self.text[choice] += delta.text
-        finished = delta.finish_reason is not None
-        reasoning, content = self._split(self.text[choice], finished)
-        sent_reasoning, sent_content = self.sent[choice]
-        self.sent[choice] = (len(reasoning), len(content))
-        piece = {}
-        if len(reasoning) > sent_reasoning:
-            piece["reasoning_content"] = reasoning[sent_reasoning:]
-        if len(content) > sent_content:
-            piece["content"] = content[sent_content:]
-        if not piece and not finished:
-            return []
-        return [self.chunk([{"index": choice, "delta": piece, "logprobs": None,
-                             "finish_reason": _finish_reason(delta.finish_reason)}])]
 
 
 def _prometheus(counters: dict) -> str:

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from deepinfer.logger import init_logger
+from deepinfer.outputs import Logprob
 from deepinfer.runtime.request import Request
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serve.errors import APIError, invalid
@@ -19,13 +20,16 @@ logger = init_logger(__name__)
 
 @dataclass(slots=True)
 class Delta:
-    """New output of one sample: ``text`` since the last delta; ``finish_reason`` set on its last one."""
+    """New output of one sample: ``text`` since the last delta (``num_tokens``: its tokens so far);
+    ``finish_reason`` set on its last one."""
 
     index: int
     text: str
     num_tokens: int
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # (token id, its Logprob entries) for each token since the last delta; None unless logprobs were asked for
+    logprobs: list[tuple[int, dict[int, Logprob]]] | None = None
 
 
 @dataclass(slots=True)
@@ -48,7 +52,7 @@ class Submission:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     requests: list[Request] = field(default_factory=list)
-    shown: list[int] = field(default_factory=list)
+    shown: list[tuple[int, int]] = field(default_factory=list)  # per sample: (characters, logprobs) sent
 
     def send(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
@@ -132,27 +136,36 @@ class EngineLoop:
 
     def _admit(self, submission: Submission) -> None:
         try:
-            token_ids = (self.llm.tokenizer.encode(submission.prompt, add_special_tokens=submission.add_special_tokens)
-                         if isinstance(submission.prompt, str) else list(submission.prompt))
-            self.engine.check_prompt(token_ids, submission.name)
-            params = submission.params
-            if submission.fill_max_tokens:
-                params = dataclasses.replace(params, max_tokens=self.engine.max_model_len - len(token_ids))
-            if params.so_args is not None:
-                if params.min_tokens:
-                    raise ValueError("response_format cannot be combined with min_tokens")
-                self.engine.structured_outputs().validate(params.so_args)
+            token_ids, params = self._checked(submission)
         except APIError as exc:
             self._refuse(submission, exc)
             return
-        except (ValueError, NotImplementedError) as exc:
-            self._refuse(submission, invalid(str(exc), "response_format" if "so_args" in str(exc) else None))
-            return
         text = submission.prompt if isinstance(submission.prompt, str) else None
         submission.requests.extend(self.llm.submit(submission.prompt, params, encoded=(text, token_ids)))
-        submission.shown = [0] * params.n
+        submission.shown = [(0, 0)] * params.n
         self._active.append(submission)
         submission.send(Admitted(len(token_ids)))
+
+    def _checked(self, submission: Submission) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params to run, or an ``APIError`` naming what the engine refuses. Each
+        check's refusal is mapped to its own field here, where it is known which check failed."""
+        try:
+            token_ids = (self.llm.tokenizer.encode(submission.prompt, add_special_tokens=submission.add_special_tokens)
+                         if isinstance(submission.prompt, str) else list(submission.prompt))
+            self.engine.check_prompt(token_ids, submission.name)
+        except (ValueError, NotImplementedError) as exc:  # check_prompt's messages open with submission.name
+            raise invalid(str(exc)) from None
+        params = submission.params
+        if submission.fill_max_tokens:
+            params = dataclasses.replace(params, max_tokens=self.engine.max_model_len - len(token_ids))
+        if params.so_args is not None:
+            if params.min_tokens:
+                raise invalid("response_format cannot be combined with min_tokens", "response_format")
+            try:  # the plugin missing, or a schema it cannot compile
+                self.engine.structured_outputs().validate(params.so_args)
+            except (ValueError, NotImplementedError) as exc:
+                raise invalid(str(exc), "response_format") from None
+        return token_ids, params
 
     def _refuse(self, submission: Submission, error: APIError) -> None:
         with self._lock:
@@ -162,14 +175,19 @@ class EngineLoop:
     def _route(self) -> None:
         for submission in list(self._active):
             for request in submission.requests:
-                text, shown = request.detokenizer.text, submission.shown[request.sample_index]
+                text, (shown, shown_logprobs) = request.detokenizer.text, submission.shown[request.sample_index]
                 if shown < 0:  # its last delta went out
                     continue
-                if len(text) > shown or request.finished:
+                # logprobs are booked as each token resolves, which may be a step after it was sampled (asynchronous
+                # scheduling): they are counted on their own, not by num_output_tokens
+                booked = 0 if request.logprobs is None else len(request.logprobs)
+                if len(text) > shown or booked > shown_logprobs or request.finished:
+                    logprobs = None if request.logprobs is None else list(zip(
+                        request.output_token_ids[shown_logprobs:booked], request.logprobs[shown_logprobs:booked]))
                     submission.send(Delta(request.sample_index, text[shown:], request.num_output_tokens,
                                           request.finish_reason if request.finished else None,
-                                          request.stop_reason))
-                    submission.shown[request.sample_index] = -1 if request.finished else len(text)
+                                          request.stop_reason, logprobs))
+                    submission.shown[request.sample_index] = (-1, -1) if request.finished else (len(text), booked)
             if all(r.finished for r in submission.requests):
                 self._done(submission)
 

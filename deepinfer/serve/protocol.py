@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serve.errors import invalid, unsupported
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs, for completions' logprobs too
 
 
 class _Body(BaseModel):
@@ -34,7 +37,6 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     top_k: StrictInt | None = None
@@ -47,17 +49,16 @@ class _Sampling(_Body):
     include_stop_str_in_output: StrictBool | None = None
 
     def _refuse_unsupported(self) -> None:
-        if self.logprobs not in (None, False):
-            raise unsupported("logprobs")
         if self.logit_bias:
-            raise unsupported("logit_bias")
+            raise unsupported("logit_bias", "the engine's sampler has no per-token bias")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream: true", "stream_options")
 
     def sampling_params(self, max_tokens: int, so_args: dict | None = None) -> SamplingParams:
         """``SamplingParams``' own checks name the field refused (temperature=-1: a 400 naming temperature)."""
         self._refuse_unsupported()
-        given = dict(n=self.n, temperature=self.temperature, top_p=self.top_p, stop=self.stop, seq_seed=self.seed,
+        given = dict(logprobs=self.num_logprobs(), n=self.n, temperature=self.temperature, top_p=self.top_p,
+                     stop=self.stop, seq_seed=self.seed,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens,
                      repetition_penalty=self.repetition_penalty, stop_token_ids=self.stop_token_ids,
@@ -69,9 +70,21 @@ class _Sampling(_Body):
         except ValueError as exc:
             raise invalid(str(exc)) from None
 
+    def num_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: how many top alternatives each token reports (None: no logprobs)."""
+        raise NotImplementedError
+
+
+def _check_top(value: int, field: str) -> int:
+    # the engine could return the whole vocabulary (-1); an HTTP response of that size is a mistake, as OpenAI's cap
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise invalid(f"{field} must be between 0 and {MAX_LOGPROBS}, got {value}", field)
+    return value
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None  # the legacy API: how many top alternatives per token
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
@@ -89,6 +102,9 @@ class CompletionRequest(_Sampling):
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
         return list(prompt)
+
+    def num_logprobs(self) -> int | None:
+        return None if self.logprobs is None else _check_top(self.logprobs, "logprobs")
 
 
 class JsonSchema(_Body):
@@ -115,6 +131,8 @@ class ResponseFormat(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[dict[str, Any]]
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
@@ -124,12 +142,40 @@ class ChatRequest(_Sampling):
     # DeepSeek's thinking mode: the answer opens with <think>; its reasoning comes back as reasoning_content
     thinking: StrictBool = False
 
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        if not self.logprobs:
+            return None
+        return 0 if self.top_logprobs is None else _check_top(self.top_logprobs, "top_logprobs")
+
+    def tool_definitions(self) -> list[dict] | None:
+        """The tools to render in the prompt and parse calls for, or None (none given, or ``tool_choice: "none"``,
+        which OpenAI defines as "the model calls no tool": it is not shown any)."""
+        choice = self.tool_choice
+        if choice is not None and not self.tools and choice != "none":
+            raise invalid("tool_choice needs tools", "tool_choice")
+        if choice not in (None, "auto", "none"):
+            if choice == "required" or isinstance(choice, dict):
+                # forcing a call would need a grammar of the DSML block for each tool's schema: not built yet
+                raise unsupported("tool_choice", f"only \"auto\" and \"none\", got {json.dumps(choice)}")
+            raise invalid(f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r}',
+                          "tool_choice")
+        if self.parallel_tool_calls is False:
+            # the model may still write several calls; keeping only the first would drop what it wrote
+            raise unsupported("parallel_tool_calls", "the model's calls cannot be limited to one")
+        if not self.tools or choice == "none":
+            return None
+        for i, tool in enumerate(self.tools):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str) or not function["name"]:
+                raise invalid(f'tools[{i}] must be {{"type": "function", "function": {{"name": str, ...}}}}',
+                              f"tools[{i}]")
+        return self.tools
+
     def conversation(self) -> list[dict]:
         """The messages, with OpenAI's content parts joined into text (only text parts exist for this model)."""
-        if self.tools or self.tool_choice not in (None, "none") or self.parallel_tool_calls is not None:
-            field = "tools" if self.tools else "tool_choice" if self.tool_choice not in (None, "none") \
-                else "parallel_tool_calls"
-            raise unsupported(field, "tool calls are not parsed from the model's DSML output yet")
         messages = []
         for i, message in enumerate(self.messages):
             if not isinstance(message, dict):

@@ -1,0 +1,276 @@
+"""``deepinfer bench serve``: requests sent to ``deepinfer serve`` on loopback at a rate and a concurrency bound;
+time to first token, time per output token, inter-token latency, throughput.
+
+The flags and the result's JSON keys are ``vllm bench serve``'s (random dataset only): ``--num-prompts`` prompts of
+``--random-input-len`` random token ids each ask ``--random-output-len`` tokens of ``/v1/completions``, streamed.
+Arrivals are a Poisson process at ``--request-rate`` per second (``inf``: all at once; ``--burstiness`` other than 1
+draws gamma intervals), at most ``--max-concurrency`` in flight. Without ``--base-url`` the server runs in this
+process on a free loopback port, from the engine flags of ``deepinfer serve``. Several ``--request-rate`` or
+``--max-concurrency`` values make a sweep: one run per pair, on the same server.
+
+- TTFT: from sending a request to its first text; TPOT: (latency - TTFT) / (output tokens - 1); ITL: the time between
+  consecutive chunks of text (a chunk may hold more than one token: see docs/serve.md).
+- Output tokens are the server's count (``usage.completion_tokens``), not the chunks'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import statistics
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from deepinfer.cli.commands import add_engine_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    bench = parser.add_argument_group("benchmark (vllm bench serve's names)")
+    bench.add_argument("--base-url", help="a running server (e.g. http://127.0.0.1:8000); default: start one here")
+    bench.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"])
+    bench.add_argument("--served-model-name", help="the model name sent in requests (default: --model)")
+    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--random-input-len", type=int, default=64)
+    bench.add_argument("--random-output-len", type=int, default=32)
+    bench.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                       help="requests per second (inf: all at once); several values: a sweep")
+    bench.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival intervals (1: Poisson)")
+    bench.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
+                       help="requests in flight at most (default: unbounded); several values: a sweep")
+    bench.add_argument("--ignore-eos", action="store_true", help="every request makes --random-output-len tokens")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles reported")
+    bench.add_argument("--save-result", action="store_true", help="write each run's JSON")
+    bench.add_argument("--result-dir", default=".")
+    bench.add_argument("--result-filename", help="the JSON's file name (one run only)")
+    bench.add_argument("--max-queued", type=int, default=4096, help="the in-process server's --max-queued")
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    import importlib.util
+
+    from deepinfer.cli.serve import ServerUnavailable, _require_server_packages
+
+    _require_server_packages()
+    if importlib.util.find_spec("httpx") is None:
+        raise ServerUnavailable("deepinfer bench serve needs httpx: pip install 'deepinfer[serve]'")
+    _check(args)
+    runs = [(rate, bound) for rate in args.request_rate for bound in args.max_concurrency]
+    if args.result_filename and len(runs) > 1:
+        raise ValueError("--result-filename names one file: give one --request-rate and one --max-concurrency, "
+                         "or leave it out (each run's default name carries its rate and concurrency)")
+    with _Server(args) as server:
+        prompts = _random_prompts(server.tokenizer, server.vocab, args)
+        results = []
+        asyncio.run(_send(server, args, prompts[:1], math.inf, None))  # a warm-up, as vllm's test prompt
+        for rate, bound in runs:
+            started = time.perf_counter()
+            outcomes = asyncio.run(_send(server, args, prompts, rate, bound))
+            result = _metrics(outcomes, time.perf_counter() - started, args, rate, bound, server.model)
+            _print(result, args)
+            if args.save_result:
+                _save(result, args)
+            results.append(result)
+    return results
+
+
+def _check(args) -> None:
+    for name in ("num_prompts", "random_input_len", "random_output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for rate in args.request_rate:
+        if not rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {rate}")
+    for bound in args.max_concurrency:
+        if bound is not None and bound < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {bound}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    args.percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    if not all(0 < p < 100 for p in args.percentiles):
+        raise ValueError(f"--metric-percentiles must lie in (0, 100), got {args.metric_percentiles}")
+
+
+class _Server:
+    """The server to send to: ``--base-url``, or ``deepinfer serve`` started here on a free loopback port."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def __enter__(self):
+        from deepinfer.loading.model_source import resolve_model_dir
+        from deepinfer.loading.tokenizer import load_tokenizer
+
+        args = self.args
+        self.model = args.served_model_name or args.model or resolve_model_dir(None).name
+        if args.base_url:
+            self.url, self.uvicorn, self.loop = args.base_url.rstrip("/"), None, None
+            self.tokenizer = load_tokenizer(resolve_model_dir(args.model))  # the prompts' vocabulary
+            self.vocab = len(self.tokenizer)
+            return self
+        import socket
+
+        import uvicorn
+
+        from deepinfer.cli import serve
+
+        args.api_key = None
+        self.loop, app = serve.build(args)
+        self.model = args.served_model_name or args.model or self.model
+        self.tokenizer = self.loop.llm.tokenizer
+        # the tokenizer may name fewer or more ids than the model's embedding has rows: both bound a prompt's ids
+        self.vocab = min(len(self.tokenizer), self.loop.engine.model_config.vocab_size)
+        self.loop.start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        while not self.uvicorn.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the benchmark's server did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc):
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+            self.thread.join()
+            self.loop.stop()
+
+
+def _random_prompts(tokenizer, vocab: int, args) -> list[list[int]]:
+    """Random token ids, as vllm's random dataset, drawn from the vocabulary less its special tokens (an EOS or a
+    chat marker inside a prompt is not what a user sends)."""
+    rng = np.random.default_rng(args.seed)
+    special = set(tokenizer.all_special_ids)
+    allowed = np.array([t for t in range(vocab) if t not in special])
+    return [rng.choice(allowed, args.random_input_len).tolist() for _ in range(args.num_prompts)]
+
+
+async def _send(server, args, prompts, rate: float, bound: int | None) -> list[dict]:
+    import httpx
+
+    rng = np.random.default_rng(args.seed)
+    gate = asyncio.Semaphore(bound) if bound else None
+    limits = httpx.Limits(max_connections=bound or len(prompts), max_keepalive_connections=bound or len(prompts))
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None) as client:
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(_one(client, gate, server.model, prompt, args)))
+            if rate != math.inf:  # gamma intervals of mean 1/rate; shape 1 is Poisson's exponential
+                await asyncio.sleep(rng.gamma(args.burstiness, 1 / (rate * args.burstiness)))
+        return await asyncio.gather(*tasks)
+
+
+async def _one(client, gate, model: str, prompt: list[int], args) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": args.random_output_len, "temperature": 0,
+            "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    outcome = {"ok": False, "ttft": None, "itl": [], "latency": None, "output_tokens": 0, "input_tokens": 0,
+               "error": ""}
+    if gate is not None:
+        await gate.acquire()
+    try:
+        start = last = time.perf_counter()
+        async with client.stream("POST", args.endpoint, json=body) as response:
+            if response.status_code != 200:
+                outcome["error"] = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return outcome
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    outcome["error"] = chunk["error"]["message"]
+                    return outcome
+                if chunk.get("usage"):
+                    outcome["output_tokens"] = chunk["usage"]["completion_tokens"]
+                    outcome["input_tokens"] = chunk["usage"]["prompt_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if outcome["ttft"] is None:
+                        outcome["ttft"] = now - start
+                    else:
+                        outcome["itl"].append(now - last)
+                    last = now
+        outcome["latency"] = time.perf_counter() - start
+        outcome["ok"] = outcome["ttft"] is not None
+        if not outcome["ok"]:
+            outcome["error"] = "no text came back"
+    except Exception as exc:  # a failed request is counted and named, as vllm's "failed"; the run goes on
+        outcome["error"] = repr(exc)
+    finally:
+        if gate is not None:
+            gate.release()
+    return outcome
+
+
+def _metrics(outcomes: list[dict], duration: float, args, rate: float, bound: int | None, model: str) -> dict:
+    done = [o for o in outcomes if o["ok"]]
+    output_tokens = sum(o["output_tokens"] for o in done)
+    input_tokens = sum(o["input_tokens"] for o in done)
+    ttfts = [o["ttft"] for o in done]
+    tpots = [(o["latency"] - o["ttft"]) / (o["output_tokens"] - 1) for o in done if o["output_tokens"] > 1]
+    itls = [gap for o in done for gap in o["itl"]]
+    latencies = [o["latency"] for o in done]
+    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "deepinfer", "model_id": model,
+              "endpoint": args.endpoint, "num_prompts": args.num_prompts,
+              "request_rate": "inf" if rate == math.inf else rate, "burstiness": args.burstiness,
+              "max_concurrency": bound, "random_input_len": args.random_input_len,
+              "random_output_len": args.random_output_len, "ignore_eos": args.ignore_eos,
+              "machine": f"{platform.processor() or platform.machine()}",
+              "duration": duration, "completed": len(done), "failed": len(outcomes) - len(done),
+              "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+              "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
+              "total_token_throughput": (input_tokens + output_tokens) / duration}
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", latencies)):
+        ms = [1e3 * v for v in values] or [0.0]
+        result |= {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
+                   f"std_{name}_ms": statistics.pstdev(ms)}
+        for p in args.percentiles:
+            result[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p))
+    result |= {"input_lens": [o["input_tokens"] for o in outcomes], "output_lens": [o["output_tokens"] for o in outcomes],
+               "ttfts": [o["ttft"] for o in outcomes], "itls": [o["itl"] for o in outcomes],
+               "errors": [o["error"] for o in outcomes]}
+    return result
+
+
+def _print(result: dict, args) -> None:
+    rows = [("Request rate", result["request_rate"]), ("Max concurrency", result["max_concurrency"]),
+            ("Successful requests", result["completed"]), ("Failed requests", result["failed"]),
+            ("Benchmark duration (s)", f"{result['duration']:.2f}"),
+            ("Total input tokens", result["total_input_tokens"]),
+            ("Total generated tokens", result["total_output_tokens"]),
+            ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}"),
+            ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}")]
+    for name in ("ttft", "tpot", "itl"):
+        rows += [(f"Mean {name.upper()} (ms)", f"{result[f'mean_{name}_ms']:.2f}"),
+                 (f"Median {name.upper()} (ms)", f"{result[f'median_{name}_ms']:.2f}")]
+        rows += [(f"P{p:g} {name.upper()} (ms)", f"{result[f'p{p:g}_{name}_ms']:.2f}") for p in args.percentiles]
+    print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
+    for label, value in rows:
+        print(f"{label + ':':<40}{value!s:>10}")
+    print("=" * 50)
+    if result["failed"]:
+        print(f"first error: {next(e for e in result['errors'] if e)}")
+
+
+def _save(result: dict, args) -> None:
+    concurrency = result["max_concurrency"] or "inf"
+    name = args.result_filename or (f"deepinfer-{result['request_rate']}qps-concurrency{concurrency}-"
+                                    f"{Path(result['model_id']).name}-{result['date']}.json")
+    path = Path(args.result_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")

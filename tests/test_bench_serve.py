@@ -1,0 +1,37 @@
+"""``deepinfer bench serve`` on the embedded model: a tiny sweep, vllm bench serve's JSON keys, the counts."""
+
+import json
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from deepinfer.cli import main  # noqa: E402
+
+KEYS = {"request_throughput", "output_throughput", "total_token_throughput", "completed", "failed", "duration",
+        "total_input_tokens", "total_output_tokens", "max_concurrency", "request_rate", "num_prompts"}
+KEYS |= {f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p99") for name in ("ttft", "tpot", "itl", "e2el")}
+
+
+def test_a_small_sweep_reports_vllm_keys(tmp_path, capsys):
+    main(["bench", "serve", "--model", "deepinfer-tiny-v4.1", "--num-prompts", "4", "--random-input-len", "8",
+          "--random-output-len", "4", "--ignore-eos", "--max-concurrency", "1", "4", "--save-result",
+          "--result-dir", str(tmp_path)])
+    assert capsys.readouterr().out.count("Serving Benchmark Result") == 2
+    results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("*.json")), key=lambda r: r["max_concurrency"])
+    assert [r["max_concurrency"] for r in results] == [1, 4]
+    for result in results:
+        assert KEYS <= set(result)
+        assert result["completed"] == 4 and result["failed"] == 0 and result["request_rate"] == "inf"
+        assert result["total_input_tokens"] == 4 * 8 and result["total_output_tokens"] == 4 * 4
+        assert result["output_throughput"] == pytest.approx(16 / result["duration"])
+        assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"] and result["mean_tpot_ms"] > 0
+
+
+def test_bad_flags_are_refused_naming_them(capsys):
+    for flags, named in ([["--request-rate", "0"], "--request-rate"], [["--max-concurrency", "0"], "--max-concurrency"],
+                         [["--max-concurrency", "1", "2", "--result-filename", "x.json"], "--result-filename"]):
+        with pytest.raises(SystemExit) as exit:
+            main(["bench", "serve", "--model", "deepinfer-tiny-v4.1", *flags])
+        assert exit.value.code == 2 and named in capsys.readouterr().err
