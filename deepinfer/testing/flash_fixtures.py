@@ -98,7 +98,22 @@ V41_FLASH = {
     "engram_num_embeddings": [2_500_000, 2_500_000],
 }
 
-FIXTURES = {"flash4L": FLASH4L, "flash4Lfp8": FLASH4L_FP8, "v41flash8L": V41_FLASH_8L, "v41flash": V41_FLASH}
+# with V4.1-Flash's three DSpark draft stages (128 experts top-3, blocks of 5) reading its last three layers: the
+# speculative benchmarks' fixture (the stages' attention is sliding-window only, as the release's trailing ratios)
+V41_FLASH_8L_DSPARK = {
+    **V41_FLASH_8L,
+    "num_nextn_predict_layers": 3,
+    "compress_ratios": V41_FLASH_8L["compress_ratios"] + [0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128,
+    "dspark_num_experts_per_tok": 3,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [5, 6, 7],
+}
+
+FIXTURES = {"flash4L": FLASH4L, "flash4Lfp8": FLASH4L_FP8, "v41flash8L": V41_FLASH_8L, "v41flash": V41_FLASH,
+            "v41flash8Ldspark": V41_FLASH_8L_DSPARK}
 
 
 def write_fixture(name: str, out_dir: str | Path, **overrides) -> Path:

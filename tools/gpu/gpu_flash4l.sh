@@ -238,8 +238,8 @@ if has invariant; then  # batch-invariant mode on flash4L: one output among rand
 fi
 if has spec; then  # DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
     stamp "speculative"
-    # SPEC_ARGS: e.g. "--load-format dummy --synthetic-acceptance-length 1.5 2.8" with SPEC_MODEL=/tmp/v41flash8L
-    [[ ${SPEC_MODEL:-} == /tmp/v41flash8L ]] && python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    # SPEC_ARGS: e.g. "--load-format dummy --synthetic-acceptance-length 1.5 2.8" with SPEC_MODEL=/tmp/v41flash8Ldspark (a fixture)
+    [[ ${SPEC_MODEL:-} == /tmp/* ]] && python -m deepinfer.testing.flash_fixtures "${SPEC_MODEL#/tmp/}" "$SPEC_MODEL" >/dev/null
     timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes ${SPEC_BATCHES:-1 32} \
         --output-len ${SPEC_OUTPUT_LEN:-128} ${SPEC_ARGS:-} --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
     python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]; [print(b, 'same tokens', v.get('same_tokens'), 'speedup', v.get('speedup')) for b, v in r.items() if b.startswith('batch')]" "$out/speculative.json"
