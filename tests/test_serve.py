@@ -49,18 +49,27 @@ def _serve(extra=()):
     return loop, server, thread, f"http://127.0.0.1:{port}"
 
 
+def _stop(uv, thread, loop=None):
+    uv.should_exit = True
+    thread.join()
+    if loop is not None:
+        loop.stop()
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def server():
     loop, uv, thread, url = _serve(["--max-queued", "32"])
     yield loop, url
-    uv.should_exit = True
-    thread.join()
-    loop.stop()
+    _stop(uv, thread, loop)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
+    return _client(server[1])
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.chat_encoding import _dsml  # noqa: E402
 from deepinfer.serve.app import create_app  # noqa: E402
 from deepinfer.serve.engine_loop import Admitted, Delta  # noqa: E402
-from test_serve import MODEL, PROMPTS, _serve  # noqa: E402
+from test_serve import MODEL, PROMPTS, _client, _serve, _stop  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -26,13 +26,6 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"]}}}]
 CALLS = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}},
          {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
-
-
-def _stop(uv, thread, loop=None):
-    uv.should_exit = True
-    thread.join()
-    if loop is not None:
-        loop.stop()
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +37,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
+    return _client(server[1])
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +77,7 @@ def scripted():
     while not uv.started:
         time.sleep(0.02)
     port = uv.servers[0].sockets[0].getsockname()[1]
-    yield loop, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    yield loop, _client(f"http://127.0.0.1:{port}")
     _stop(uv, thread)
 
 
