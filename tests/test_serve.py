@@ -62,7 +62,7 @@ def _client(url):
 
 @pytest.fixture(scope="module")
 def server():
-    loop, uv, thread, url = _serve(["--max-queued", "32"])
+    loop, uv, thread, url = _serve(["--max-queued", "64"])  # test_serve_features: 64 streams at once
     yield loop, url
     _stop(uv, thread, loop)
 

@@ -18,7 +18,8 @@ from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.chat_encoding import _dsml  # noqa: E402
 from deepinfer.serve.app import create_app  # noqa: E402
 from deepinfer.serve.engine_loop import Admitted, Delta  # noqa: E402
-from test_serve import MODEL, PROMPTS, _client, _serve, _stop  # noqa: E402
+# the same module-scoped fixtures (a server admitting 64 requests, its client, the offline engine), one per module
+from test_serve import MODEL, PROMPTS, _client, _serve, _stop, client, offline, server  # noqa: E402, F401
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -26,23 +27,6 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"]}}}]
 CALLS = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}},
          {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    loop, uv, thread, url = _serve(["--max-queued", "64"])
-    yield loop, url
-    _stop(uv, thread, loop)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return _client(server[1])
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM(MODEL, dtype="float32")
 
 
 class _ScriptedLoop:
