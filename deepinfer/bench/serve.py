@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deepinfer.cli.commands import add_engine_arguments
+from deepinfer.engine_flags import add_engine_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> list[dict]:
     import importlib.util
 
-    from deepinfer.cli.serve import ServerUnavailable, _require_server_packages
+    from deepinfer.serve.launch import ServerUnavailable, require_server_packages
 
-    _require_server_packages()
+    require_server_packages()
     if importlib.util.find_spec("httpx") is None:
         raise ServerUnavailable("deepinfer bench serve needs httpx: pip install 'deepinfer[serve]'")
     _check(args)
@@ -120,10 +120,10 @@ class _Server:
 
         import uvicorn
 
-        from deepinfer.cli import serve
+        from deepinfer.serve import launch
 
         args.api_key = None
-        self.loop, app = serve.build(args)
+        self.loop, app = launch.build(args)
         self.model = args.served_model_name or args.model or self.model
         self.tokenizer = self.loop.llm.tokenizer
         # the tokenizer may name fewer or more ids than the model's embedding has rows: both bound a prompt's ids

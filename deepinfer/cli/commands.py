@@ -8,6 +8,7 @@ import os
 import sys
 
 from deepinfer import envs
+from deepinfer.engine_flags import add_engine_arguments, engine_arguments
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,25 +29,6 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--logprobs", type=int, help="top log-probabilities per token (with --json)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt instead of the text")
     parser.set_defaults(run=run_generate)
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model and the engine flags, shared by ``generate`` and ``serve``; ``engine_arguments`` reads them back."""
-    parser.add_argument("--model", help="checkpoint directory or hub id (default: DeepSeek-V4.1-Flash, or "
-                                        "DEEPINFER_HF_MODEL_DIR); deepinfer-tiny-v4.1 is the embedded model")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, npu, npu:N")
-    engine.add_argument("--quantization", default="auto", choices=["auto", "none"])
-    engine.add_argument("--max-model-len", type=int)
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-
-
-def engine_arguments(args) -> dict:
-    """The engine keyword arguments of ``LLM`` that ``add_engine_arguments`` declared."""
-    return dict(dtype=args.dtype, device=args.device, quantization=args.quantization,
-                max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _prompts(args) -> list[str]:
