@@ -28,6 +28,7 @@ an overlapped step (``engine/overlapped_speculation.py``) is timed launch to lau
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -114,7 +115,7 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
         k, reason = unmeasured[0], "warm-up"
     else:
         rates = tokens_per_second(policy, bucket, choices)
-        best = max(sorted(rates), key=lambda k: rates[k])
+        best = _fastest(rates)
         others = [k for k in longest_first if k != best]
         # decisions past each other length's due time: its last timing plus its share of the probe budget
         overdue = {k: decision - policy.measured_at[bucket, k]
@@ -126,10 +127,11 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
         else:
             k, reason = best, "best"
     policy.chosen[reason, k] += 1
-    logger.debug("draft policy: %d requests (bucket %d), decision %d: %d drafts (%s); cost ms %s, acceptance %s",
-                 requests, bucket, decision, k, reason,
-                 {k: round(policy.costs[bucket, k] * 1e3, 2) for k in choices if (bucket, k) in policy.costs},
-                 [round(a, 3) for a in policy.acceptance])
+    if logger.isEnabledFor(logging.DEBUG):  # the estimates are formatted only when shown: this runs every step
+        logger.debug("draft policy: %d requests (bucket %d), decision %d: %d drafts (%s); cost ms %s, acceptance %s",
+                     requests, bucket, decision, k, reason,
+                     {j: round(policy.costs[bucket, j] * 1e3, 2) for j in choices if (bucket, j) in policy.costs},
+                     [round(a, 3) for a in policy.acceptance])
     return k, reason
 
 
@@ -146,8 +148,11 @@ def tokens_per_second(policy: DraftPolicy, bucket: int, choices: tuple[int, ...]
 
 def best_length(policy: DraftPolicy, bucket: int, choices: tuple[int, ...]) -> int:
     """The measured length with the most expected tokens per second in ``bucket`` (the shorter on a tie)."""
-    rates = tokens_per_second(policy, bucket, choices)
-    return max(sorted(rates), key=lambda k: rates[k])
+    return _fastest(tokens_per_second(policy, bucket, choices))
+
+
+def _fastest(rates: dict[int, float]) -> int:
+    return max(sorted(rates), key=lambda k: rates[k])  # sorted first: a tie goes to the shorter length
 
 
 def record_cost(policy: DraftPolicy, requests: int, k: int, seconds: float) -> None:
