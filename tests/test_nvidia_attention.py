@@ -23,7 +23,7 @@ from deepinfer.runtime.fp8_kv import PAGE_BYTES, FP8Rows, storage_shape  # noqa:
 from deepinfer.plugins.builtin.torch_attention import TorchAttention  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.attention import TritonAttention  # noqa: E402
-from deepinfer_nvidia.sparse_attention import sparse_attention  # noqa: E402
+from deepinfer_nvidia.sparse_attention import decode_splits, sparse_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 REFERENCE = TorchAttention()
@@ -341,3 +341,15 @@ def test_rotate_matches_the_reference(shape, rope_dim, inverse, dtype):
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
     torch.testing.assert_close(ours, reference, **tolerance)
     assert torch.equal(ours[..., :-rope_dim], x[..., :-rope_dim])
+
+
+def test_decode_splits_fill_the_sms_once_when_programs_are_few():
+    """The split counts the H200 sweep chose (132 SMs, 20 key tiles of window + 512 entries, 2 head blocks)."""
+    assert decode_splits(2, 20, 132) == 20  # 1 token: one-tile splits
+    assert decode_splits(32, 20, 132) == 4  # 16 tokens: 128 programs, not 160
+    assert decode_splits(2, 4, 132) == 4  # a window-only layer
+    assert decode_splits(128, 20, 132) == 2  # 64 tokens: the previous rule (rounded up, 4+ tiles)
+    assert decode_splits(200, 20, 132) == 1
+    for programs in range(1, 34):
+        splits = decode_splits(programs, 20, 132)
+        assert 1 <= splits <= 20 and programs * splits <= 132

@@ -109,6 +109,33 @@ def test_sublayer_input_is_the_weights_then_the_collapse(tokens, n, width, norme
     torch.testing.assert_close(x, ref_x, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n, width", [(1, 4, 100), (37, 4, 100), (5, 2, 300), (0, 4, 64), (2, 4, 2100)])
+def test_single_pass_input_collapses_with_the_previous_pre(tokens, n, width, dtype):
+    """V4.1's sublayer input: this sublayer's coefficients, and the streams collapsed with the previous sublayer's
+    ``pre`` in the same launch, exactly as ``collapse`` does it alone."""
+    streams, fn, base, scale = _mix_inputs(tokens, n, width, dtype, seed=tokens * 3 + width)
+    g = torch.Generator().manual_seed(width + 1)
+    previous_pre = (torch.rand(tokens, n, generator=g) + 0.1).to(DEVICE)
+    weight = torch.rand(width, generator=g).add(0.5).to(DEVICE)
+    if DEVICE.type == "cuda":
+        torch.full((1 << 24,), float("nan"), device=DEVICE)  # freed at once: the outputs below reuse poisoned memory
+    mhc = TritonMHC()
+    x, pre, post, comb = mhc.single_pass_input(streams, previous_pre, fn, base, scale, n, 20, 1e-6, 1e-6, weight, 1e-6)
+    assert x.shape == (tokens, width) and x.dtype == dtype and pre.shape == post.shape == (tokens, n)
+    assert torch.equal(x, mhc.collapse(streams, previous_pre, weight, 1e-6))
+    ref_x, *ref_weights = TorchMHC().single_pass_input(streams, previous_pre, fn, base, scale, n, 20, 1e-6, 1e-6,
+                                                       weight, 1e-6)
+    for ours, own_launch, reference in zip((pre, post, comb), mhc.weights(streams, fn, base, scale, n, 20, 1e-6, 1e-6),
+                                           ref_weights):
+        torch.testing.assert_close(ours, own_launch, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    if tokens:  # the collapse used the previous pre, not this one
+        assert not torch.equal(x, mhc.collapse(streams, pre, weight, 1e-6))
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-6, "atol": 2**-6}
+    torch.testing.assert_close(x, ref_x, **tolerance)
+
+
 def test_weights_refuse_what_the_kernels_cannot_read():
     streams, fn, base, scale = _mix_inputs(3, 4, 64, torch.bfloat16, seed=4)
     with pytest.raises(ValueError, match="contiguous fp32"):

@@ -169,6 +169,14 @@ class MHCBackend(Protocol):
         """``weights`` then ``collapse`` with their ``pre``: (the sublayer's input [T, D], post, comb), how a V4
         sublayer enters (a backend may do both in fewer launches; ``pre`` need not be materialized)."""
 
+    def single_pass_input(self, streams: torch.Tensor, previous_pre: torch.Tensor, fn: torch.Tensor,
+                          base: torch.Tensor, scale: torch.Tensor, hc_mult: int, sinkhorn_iters: int, hc_eps: float,
+                          norm_eps: float, norm_weight: torch.Tensor | None = None, eps: float = 0.0
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``weights`` of the streams, and ``collapse`` of the same streams with ``previous_pre`` [T, n] (V4.1's
+        single-pass mHC: a sublayer enters through the pre of the sublayer before it): (the sublayer's input
+        [T, D], pre, post, comb). Both read the streams, so a backend may do them in one pass."""
+
     def expand(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
                ) -> torch.Tensor:
         """The new streams [T, n, D]: ``post[:, o] * output + sum_i comb[:, i, o] * streams[:, i]`` computed in fp32

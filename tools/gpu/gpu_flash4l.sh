@@ -52,11 +52,19 @@ if has install; then
     # from .kernels when it came along (tools/build/fetch_kernels.py; the run tool's carry: [".wheels", ".kernels"])
     PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tee "$out/install.txt" | tail -9
 fi
+# the plugins of a tree whose build.sh did not install them (structured outputs only where xgrammar came along)
+register_by_hand="from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p, deepinfer_mtp.plugin as m
+pm.register(p, 'nvidia'); pm.register(m, 'mtp')
+try:
+    import deepinfer_structured_outputs.plugin as s; pm.register(s, 'structured_outputs')
+except ImportError as e:
+    print('structured outputs not registered:', e)"
 if command -v deepinfer >/dev/null && python -c "import deepinfer_nvidia" 2>/dev/null; then
     bench=(deepinfer bench)
 else  # build.sh failed: register the plugin by hand
-    export PYTHONPATH="$PWD:$PWD/backends/nvidia:$PWD/features/mtp"
-    bench=(python -c "import sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p, deepinfer_mtp.plugin as m; pm.register(p, 'nvidia'); pm.register(m, 'mtp'); from deepinfer.cli import main; main()" bench)
+    export PYTHONPATH="$PWD:$PWD/backends/nvidia:$PWD/features/mtp:$PWD/features/structured_outputs"
+    bench=(python -c "$register_by_hand
+from deepinfer.cli import main; main()" bench)
     echo "build.sh did not install the plugin; registering it by hand"
 fi
 export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
@@ -273,6 +281,39 @@ prev_latency() {  # name, model, batches: bench latency from the previous commit
         python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_${name}_b$b.json" 2>&1
     done
 }
+prev_run() {  # a command of the previous commit's tree in .prev (git archive; carried), its plugins registered by hand
+    (cd .prev && PYTHONPATH="$PWD:$PWD/backends/nvidia:$PWD/features/mtp:$PWD/features/structured_outputs" "$@")
+}
+prev_bench=(python -c "$register_by_hand
+from deepinfer.cli import main; main()" bench)
+prev_py=(python -c "import runpy, sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+if has specprev; then  # `spec` (embedded model) from the previous commit's tree
+    stamp "speculative (previous commit)"
+    prev_run timeout ${SPEC_TIMEOUT:-400} "${prev_bench[@]}" speculative --model deepinfer-tiny-v4.1 --dtype bfloat16 \
+        --batch-sizes ${SPEC_BATCHES:-1 32} --output-len ${SPEC_OUTPUT_LEN:-128} --output-json "$out/speculative_prev.json" 2>&1 \
+        | grep -E "Error|error" | head -8
+    python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]" "$out/speculative_prev.json"
+fi
+if has structuredprev; then  # `structured` from the previous commit's tree
+    stamp "structured (previous commit)"
+    prev_run timeout 300 "${prev_bench[@]}" structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 \
+        --output-len 64 --output-json "$out/structured_prev.json" 2>&1 | grep -vE "INFO" | tail -8
+fi
+if has idleprev; then  # `idle`'s replayed steps (IDLE_MODELS, IDLE_BATCHES, async on) from the previous commit's tree
+    for m in ${IDLE_MODELS:-/tmp/flash4L}; do
+        for b in ${IDLE_BATCHES:-1 64}; do
+            stamp "idle $m b$b (previous commit)"
+            prev_run timeout 330 "${prev_py[@]}" tools/profile_decode.py $m --dummy --graphs --steps 48 --top ${TOP:-30} \
+                --batch-size $b 2>&1 | grep -v INFO | tail -1 | tee -a "$out/idle_prev.jsonl"
+        done
+    done
+fi
+if has hostphases; then  # the host's phases of a step when nothing overlaps them: flash4L at HOST_BATCHES, both trees
+    for b in ${HOST_BATCHES:-64}; do
+        DEEPINFER_ASYNC_SCHEDULING=0 latency sync_b$b --batch-size $b --input-len 512 --output-len 64
+    done
+    DEEPINFER_ASYNC_SCHEDULING=0 prev_latency sync_prev /tmp/flash4L ${HOST_BATCHES:-64}
+fi
 if has flashprev; then  # the same from the previous commit's tree, as the peer
     prev_latency flashprev /tmp/flash4L ${FLASH_BATCHES:-1 16 64}
 fi
@@ -292,4 +333,5 @@ if has v41profile; then  # where V4.1's batch-1 decode step spends its device ti
         --batch-size 1 2>&1 | grep -v INFO | tail -1 | tee "$out/v41_profile_b1.json"
 fi
 stamp done
-du -sh .jit-cache/* && tar czf "$top/jit-cache.tgz" --exclude=previous.tgz .jit-cache
+# JIT_PACK=0: a call that runs this script several times packs the caches once, or never
+[[ ${JIT_PACK:-1} == 1 ]] && du -sh .jit-cache/* && tar czf "$top/jit-cache.tgz" --exclude=previous.tgz .jit-cache

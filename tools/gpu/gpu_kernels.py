@@ -1,6 +1,6 @@
 """Kernel-level figures of the NVIDIA backend at DeepSeek-V4-Flash shapes, printed as JSON.
 
-    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu/gpu_kernels.py [--triton-fp8 | --prefill | --grouped | --logits]
+    PYTHONPATH=$PWD:$PWD/backends/nvidia python tools/gpu/gpu_kernels.py [--triton-fp8 | --prefill | --grouped | --logits | --attention-splits]
 
 - Sparse attention, decode: 64 heads x 512, a 128-row window plus 512 indexer-selected compressed entries per
   token, bf16 pools; batch 1, 16, 128 (FlashMLA's H200 time at 128 is 51.8 µs, kernel-anchors §1), with the
@@ -15,6 +15,7 @@
   dequantized to bf16, so the outputs are compared too); DeepGEMM's masked grouped GEMM on the experts shape (FP8
   and bf16) and its FP8 GEMM against our Triton block-FP8 GEMM at projection shapes. A failing call is recorded
   with its error, not skipped.
+- ``--attention-splits``: decode attention at batch 1-16 by flash-decoding split count, V4.1-Flash's shapes.
 - ``--logits``: V4.1-Flash's head, fp32 logits from bf16 weights (``deepinfer_nvidia.logits``) against cuBLAS on
   an fp32 copy, at 1, 16 and 64 rows.
 - ``--prefill``: sparse attention over a prefill's tokens, ours against FlashMLA's sparse prefill (bf16 rows), both
@@ -30,6 +31,7 @@ import math
 import os
 
 import torch
+import triton
 import triton.testing
 
 from deepinfer_nvidia import deepseek_kernels
@@ -72,6 +74,31 @@ def attention() -> list[dict]:
         flops = 2 * 2 * batch * heads * (window + selected) * dim
         rows.append({"batch": batch, "us": round(us, 1), "gathered_GBps": round(gathered / us / 1e3),
                      "TFLOPS": round(flops / us / 1e6, 1), "flashmla_h200_us_at_128": 51.8 if batch == 128 else None})
+    return rows
+
+
+def attention_splits() -> list[dict]:
+    """Decode attention at small batches by flash-decoding split count (V4.1-Flash: 64 heads x 512, bf16 pools; a
+    window-only layer and a window + 512 compressed entries one), with the count the default rule picks."""
+    from deepinfer_nvidia import sparse_attention as sa
+
+    rows = []
+    heads, dim, window, selected, pool_rows = 64, 512, 128, 512, 1 << 16
+    swa = torch.randn(pool_rows, dim, dtype=torch.bfloat16, device=DEVICE)
+    comp = torch.randn(pool_rows, dim, dtype=torch.bfloat16, device=DEVICE)
+    sinks = torch.randn(heads, device=DEVICE)
+    for batch in (1, 2, 4, 8, 16):
+        q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=DEVICE)
+        window_idx = torch.randint(0, pool_rows, (batch, window), device=DEVICE)
+        comp_idx = torch.randint(0, pool_rows, (batch, selected), device=DEVICE)
+        for name, sources in (("window", [(swa, window_idx)]), ("window+512", [(swa, window_idx), (comp, comp_idx)])):
+            tiles = sum(triton.cdiv(idx.shape[1], 32) for _, idx in sources)
+            row = {"batch": batch, "keys": name, "default_us": round(_graph_us(
+                lambda: sa.sparse_attention(q, sources, sinks, dim**-0.5)), 1)}
+            for splits in sorted({1, 2, 3, 4, 5, 7, 10, 20} & set(range(1, tiles + 1))):
+                row[f"splits_{splits}_us"] = round(_graph_us(
+                    lambda: sa.sparse_attention(q, sources, sinks, dim**-0.5, splits=splits)), 1)
+            rows.append(row)
     return rows
 
 
@@ -336,7 +363,9 @@ def head_logits() -> list[dict]:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["--logits"]:
+    if sys.argv[1:] == ["--attention-splits"]:
+        print(json.dumps({"attention_splits": attention_splits()}))
+    elif sys.argv[1:] == ["--logits"]:
         print(json.dumps({"head_logits": head_logits()}, indent=1))
     elif sys.argv[1:] == ["--grouped"]:
         print(json.dumps({"prefill_experts": prefill_experts()}, indent=1))

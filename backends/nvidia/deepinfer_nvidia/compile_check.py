@@ -14,7 +14,7 @@ from triton.compiler import ASTSource
 
 from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_linear, fp8_rounding, kv_store, logits, mhc,
                               mhc_weights, moe, moe_blocks, moe_fp4_bytes, moe_fp8, moe_grouped, moe_mxfp4, norm, rope,
-                              routing, slots)
+                              routing, sampling, slots)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -155,11 +155,14 @@ CASES = {
                                                       "base_ptr": "*fp32", "scale_ptr": "*fp32", "pre_ptr": "*fp32",
                                                       "post_ptr": "*fp32", "comb_ptr": "*fp32", "norm_eps": "fp32"},
                     {"N": 4, "ITERS": 20, "SPLITS_PAD": 64}),
-    "mhc sublayer input": (mhc._sublayer_input_kernel, {"dots_ptr": "*fp32", "squares_ptr": "*fp32", "base_ptr": "*fp32",
-                                                      "scale_ptr": "*fp32", "streams_ptr": "*bf16", "weight_ptr": "*fp32",
-                                                      "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
-                                                      "norm_eps": "fp32", "hc_eps": "fp32"},
-                           {"N": 4, "ITERS": 20, "SPLITS_PAD": 64, "BLOCK_D": 4096, "NORM": True, "ONE_PASS": True}),
+    **{f"mhc sublayer input{', single pass' if single else ''}": (
+        mhc._sublayer_input_kernel, {"dots_ptr": "*fp32", "squares_ptr": "*fp32", "base_ptr": "*fp32",
+                                     "scale_ptr": "*fp32", "streams_ptr": "*bf16", "weight_ptr": "*fp32",
+                                     "out_ptr": "*bf16", "pre_ptr": "*fp32", "previous_pre_ptr": "*fp32",
+                                     "post_ptr": "*fp32", "comb_ptr": "*fp32", "norm_eps": "fp32", "hc_eps": "fp32"},
+        {"N": 4, "ITERS": 20, "SPLITS_PAD": 64, "BLOCK_D": 8192, "NORM": True, "ONE_PASS": True,
+         "SINGLE_PASS": single}) for single in (False, True)},
+    "greedy tokens": (sampling._argmax_kernel, {"logits_ptr": "*fp32", "out_ptr": "*i64"}, {"BLOCK": sampling.BLOCK}),
     **{f"{fmt} cache rounding": (cache_formats._round_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                                  {"GROUP": group, "GROUPS": cache_formats.GROUPS_PER_PROGRAM, "FORMAT": code})
        for fmt, (group, code) in cache_formats.FORMATS.items()},

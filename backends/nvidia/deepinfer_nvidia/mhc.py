@@ -1,5 +1,6 @@
-"""mHC in Triton: the streams' collapse and expansion in one launch each, and a V4 sublayer's input (its weights,
-then the collapse with their ``pre``) in two, the second launch doing both per token; ``TritonMHC``, the backend.
+"""mHC in Triton: the streams' collapse and expansion in one launch each, and a sublayer's input (its weights, then
+the collapse with their ``pre``, or with the previous sublayer's in V4.1) in two, the second launch doing both per
+token; ``TritonMHC``, the backend.
 The weights themselves (the logits' projection and the Sinkhorn loop) are ``mhc_weights.py``'s kernels.
 
 The collapse (a weighted sum of the n streams) and the expansion (the mix of the old streams plus the sublayer's
@@ -72,18 +73,26 @@ def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, weight_ptr, out
 
 @triton.jit
 def _sublayer_input_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_ptr, stride_st, stride_sn, weight_ptr,
-                           out_ptr, stride_out, post_ptr, comb_ptr, T, splits, K, D, norm_eps, hc_eps, eps,
-                           N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                           NORM: tl.constexpr, ONE_PASS: tl.constexpr):
-    """``_mhc_weights_kernel`` and ``_collapse_kernel`` in one program per token: ``pre`` stays in registers."""
+                           out_ptr, stride_out, pre_ptr, previous_pre_ptr, post_ptr, comb_ptr, T, splits, K, D,
+                           norm_eps, hc_eps, eps, N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_PASS: tl.constexpr,
+                           SINGLE_PASS: tl.constexpr):
+    """``_mhc_weights_kernel`` and ``_collapse_kernel`` in one program per token. V4 collapses with the ``pre`` just
+    computed, which stays in registers; V4.1 (SINGLE_PASS) stores it and collapses with ``previous_pre``."""
     token = tl.program_id(0).to(tl.int64)
     pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N,
                                      SPLITS_PAD)
     pre, post, comb = _coefficients(pre, post, comb, hc_eps, N, ITERS)
     rows = token + tl.arange(0, 1)
     _store_mix(post, comb, rows, rows < T, post_ptr, comb_ptr, N)
-    _collapse_row(streams_ptr, stride_st, stride_sn, token, tl.sum(pre, axis=0), weight_ptr, out_ptr, stride_out, D,
-                  eps, N, BLOCK_D, NORM, ONE_PASS)
+    i = tl.arange(0, N)
+    if SINGLE_PASS:
+        tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=(rows < T)[:, None])
+        collapse_with = tl.load(previous_pre_ptr + token * N + i)
+    else:
+        collapse_with = tl.sum(pre, axis=0)
+    _collapse_row(streams_ptr, stride_st, stride_sn, token, collapse_with, weight_ptr, out_ptr, stride_out, D, eps,
+                  N, BLOCK_D, NORM, ONE_PASS)
 
 
 @triton.jit
@@ -183,20 +192,36 @@ class TritonMHC:
 
     def sublayer_input(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps, norm_weight=None,
                        eps=0.0):
-        n = hc_mult
-        post, comb = _mix_buffers(streams, n)  # no pre: the kernel keeps it in registers
+        x, _, post, comb = self._enter(streams, None, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps,
+                                       norm_weight, eps)
+        return x, post, comb
+
+    def single_pass_input(self, streams, previous_pre, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps,
+                          norm_weight=None, eps=0.0):
+        return self._enter(streams, previous_pre, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps,
+                           norm_weight, eps)
+
+    def _enter(self, streams, previous_pre, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, norm_weight, eps):
+        """A sublayer's (input, pre, post, comb), collapsed with ``previous_pre`` or, without it, the fresh ``pre``
+        (then never stored: None is returned for it)."""
+        single_pass = previous_pre is not None
+        post, comb = _mix_buffers(streams, n)
+        pre = torch.empty_like(post) if single_pass else None
         partials = _mix_partials(streams, fn, base, scale, n, sinkhorn_iters, self.gemm_tokens)
         streams, weight, norm = _collapse_inputs(streams, norm_weight)
+        if single_pass:
+            streams, previous_pre = _checked(streams, previous_pre)
         tokens, _, width = streams.shape
         out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
         if partials is not None:
             dots, squares, splits, flat_width = partials
             _sublayer_input_kernel[(tokens,)](
                 dots, squares, base.contiguous(), scale.contiguous(), streams, streams.stride(0), streams.stride(1),
-                post if weight is None else weight, out, out.stride(0), post, comb, tokens, splits, flat_width, width,
+                post if weight is None else weight, out, out.stride(0), post if pre is None else pre,
+                post if previous_pre is None else previous_pre, post, comb, tokens, splits, flat_width, width,
                 norm_eps, hc_eps, eps, N=n, ITERS=sinkhorn_iters, SPLITS_PAD=triton.next_power_of_2(splits),
-                NORM=norm, **_collapse_tiles(width))
-        return out, post, comb
+                NORM=norm, SINGLE_PASS=single_pass, **_collapse_tiles(width))
+        return out, pre, post, comb
 
     def collapse(self, streams, pre, norm_weight=None, eps=0.0):
         streams, pre = _checked(streams, pre)

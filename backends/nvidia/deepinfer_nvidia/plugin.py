@@ -95,6 +95,16 @@ def deepinfer_attention_backend(config, device):
 
 
 @hookimpl
+def deepinfer_sampler(config, device):
+    if device.type != "cuda":
+        return None
+    from deepinfer.plugins.builtin.torch_sampler import TorchSampler
+    from deepinfer_nvidia.sampling import greedy_tokens
+
+    return TorchSampler(name="torch-reference, Triton argmax", greedy=greedy_tokens)
+
+
+@hookimpl
 def deepinfer_mhc_backend(config, device):
     if device.type != "cuda":
         return None

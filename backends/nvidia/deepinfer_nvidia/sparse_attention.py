@@ -36,7 +36,6 @@ from deepinfer_nvidia.kv_store import SCALE_BYTES as FP8_SCALE_BYTES
 from deepinfer_nvidia.kv_store import TILE as FP8_TILE
 
 LOG2E = math.log2(math.e)
-MIN_TILES_PER_SPLIT = 4  # below this a split writes about as many partial bytes as it reads key bytes
 MAX_CANDIDATE_TILES = 8  # indexer tiles per program (a constexpr: at most 8 variants) amortize its q load
 
 
@@ -242,6 +241,21 @@ def _pool_args(pool) -> tuple[torch.Tensor, torch.Tensor, int]:
     return pool, pool, pool.stride(0)
 
 
+def decode_splits(programs: int, tiles: int, sms: int) -> int:
+    """Flash-decoding splits of ``tiles`` key tiles for a launch of ``programs`` (token, head block, source group)
+    programs on ``sms`` SMs.
+
+    A launch of up to a quarter of the SMs gets as many splits as fill them once, down to one tile a split. Measured
+    on an H200 (V4.1-Flash's 64 heads of 512, window + 512 compressed entries, ``tools/gpu/gpu_kernels.py
+    --attention-splits``): at 16 tokens 4 splits (128 programs) take 32.4 µs and 5 (160, a second wave) 50.0; at one
+    token 20 one-tile splits 22.0 µs and 5 of 4 tiles 29.5. A one-tile split's fp32 partial (64 KiB) outweighs its
+    keys (32 KiB), but a launch this short of programs is bound by its slowest program's serial tiles. Larger
+    launches keep the rule they were measured with: splits rounded up to fill the SMs, 4+ tiles each."""
+    if programs * 4 <= sms:
+        return max(1, min(sms // programs, tiles))
+    return max(1, min(triton.cdiv(sms, programs), tiles // 4))
+
+
 def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, splits: int | None = None,
                      tiles_per_split: int | None = None):
     """The protocol's ``sparse_attention``; ``block_h`` and ``splits`` override the tiling (tests use them). Pools
@@ -276,8 +290,7 @@ def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, split
     if tiles_per_split is not None:
         splits = max(1, *(triton.cdiv(triton.cdiv(idx.shape[1], block_n), tiles_per_split) for _, idx in sources))
     elif splits is None:
-        wanted = triton.cdiv(_parallelism(q.device), num_tokens * head_blocks * len(groups))
-        splits = max(1, min(wanted, max(tiles) // MIN_TILES_PER_SPLIT))
+        splits = decode_splits(num_tokens * head_blocks * len(groups), max(tiles), _parallelism(q.device))
     total = splits * len(groups)
     final = total == 1 and tiles_per_split is None
     part = stat = out  # unused placeholders when the kernel writes the output itself

@@ -76,11 +76,9 @@ class DSparkStage(nn.Module):
             self.confidence_head.proj = nn.Linear(hidden + rank, 1, bias=False)
 
     def forward(self, streams, pre, context_kv, index, phases):
-        attn_pre, post, comb = self.hc_attn(streams)
-        x = self.mhc.collapse(streams, pre, self.attn_norm.weight, self.attn_norm.eps)
+        x, attn_pre, post, comb = self.hc_attn.enter(streams, pre, self.attn_norm)
         streams = self.mhc.expand(streams, self._attend(x, context_kv, index, phases), post, comb)
-        ffn_pre, post, comb = self.hc_ffn(streams)
-        x = self.mhc.collapse(streams, attn_pre, self.ffn_norm.weight, self.ffn_norm.eps)
+        x, ffn_pre, post, comb = self.hc_ffn.enter(streams, attn_pre, self.ffn_norm)
         return self.mhc.expand(streams, self.ffn(x, None), post, comb), ffn_pre
 
     def keys(self, x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,8 @@ class ComplexRotary:
 
 
 class MixPredictor(nn.Module):
-    """One sublayer's mHC coefficients: ``pre`` [T, n], ``post`` [T, n], ``comb`` [T, n, n], all fp32."""
+    """One sublayer's mHC coefficients (``pre`` [T, n], ``post`` [T, n], ``comb`` [T, n, n], all fp32) and its
+    input, collapsed with the previous sublayer's ``pre``."""
 
     def __init__(self, hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
                  backend: MHCBackend):
@@ -61,6 +62,8 @@ class MixPredictor(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, streams: torch.Tensor):
-        return self.backend.weights(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
-                                    self.hc_eps, self.norm_eps)
+    def enter(self, streams: torch.Tensor, previous_pre: torch.Tensor, norm):
+        """The sublayer's input (the streams collapsed with ``previous_pre``, then ``norm``) and its own coefficients:
+        (input, pre, post, comb)."""
+        return self.backend.single_pass_input(streams, previous_pre, self.fn, self.base, self.scale, self.hc_mult,
+                                              self.sinkhorn_iters, self.hc_eps, self.norm_eps, norm.weight, norm.eps)

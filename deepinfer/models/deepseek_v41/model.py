@@ -91,14 +91,10 @@ class Block(nn.Module):
             streams = self.engram(streams, values, exponents)
         if features is not None:  # what a DSpark draft reads from this layer: its input, streams averaged
             features.append(streams.mean(dim=1))
-        attn_pre, post, comb = self.hc_attn(streams)
-        norm = self.attn_norm
-        out = self.attn(self.mhc.collapse(streams, pre, norm.weight, norm.eps), batch, phases, caches, selection)
-        streams = self.mhc.expand(streams, out, post, comb)
-        ffn_pre, post, comb = self.hc_ffn(streams)
-        norm = self.ffn_norm
-        out = self.ffn(self.mhc.collapse(streams, attn_pre, norm.weight, norm.eps), batch.token_ids)
-        return self.mhc.expand(streams, out, post, comb), ffn_pre
+        x, attn_pre, post, comb = self.hc_attn.enter(streams, pre, self.attn_norm)
+        streams = self.mhc.expand(streams, self.attn(x, batch, phases, caches, selection), post, comb)
+        x, ffn_pre, post, comb = self.hc_ffn.enter(streams, attn_pre, self.ffn_norm)
+        return self.mhc.expand(streams, self.ffn(x, batch.token_ids), post, comb), ffn_pre
 
 
 class DeepseekV41ForCausalLM(nn.Module):

@@ -27,6 +27,11 @@ class TorchMHC:
         pre, post, comb = self.weights(streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps)
         return self.collapse(streams, pre, norm_weight, eps), post, comb
 
+    def single_pass_input(self, streams, previous_pre, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps,
+                          norm_weight=None, eps=0.0):
+        pre, post, comb = self.weights(streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps)
+        return self.collapse(streams, previous_pre, norm_weight, eps), pre, post, comb
+
     def expand(self, streams, output, post, comb):
         return mhc_expand(streams, output, post, comb)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,18 @@ def deepinfer_sampler(config, device):
     return TorchSampler()
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 @dataclass(slots=True)
 class TorchSampler:
     name: str = "torch-reference"
     batch_invariant: bool = True
     graph_safe: bool = True  # without penalties or blocked tokens, whose index tensors come from the host
+    # ``argmax(dim=-1)`` of fp32 [T, V] logits: a backend plugin passes a faster one (the NVIDIA plugin's Triton
+    # kernel), the same function: the first maximal index, a NaN above any number
+    greedy: Callable[[torch.Tensor], torch.Tensor] = _argmax
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
@@ -38,7 +46,7 @@ class TorchSampler:
             if batch.any_penalties:
                 _apply_penalties(logits, batch)
 
-        token_ids = logits.argmax(dim=-1)
+        token_ids = self.greedy(logits)
         if not batch.all_greedy:
             sampled = _sample_filtered(logits, batch)
             token_ids = torch.where(batch.temperature == 0, token_ids, sampled)
