@@ -79,6 +79,8 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        for p in params:
+            p.check_vocabulary(self.engine.model_config.vocab_size)
         if any(p.so_args is not None for p in params):
             self._check_structured_outputs(params)
         if self.ranks is not None:
@@ -143,6 +145,7 @@ class LLM:
             raise ValueError("stream runs in one process; with data_parallel_size > 1 use generate")
         if params.n != 1:
             raise ValueError(f"stream generates one completion; got n={params.n}")
+        params.check_vocabulary(self.engine.model_config.vocab_size)
         if params.so_args is not None:
             self._check_structured_outputs([params])
         (request,) = self.submit(_as_prompt_list(prompt)[0], params)

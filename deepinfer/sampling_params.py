@@ -17,13 +17,16 @@ class SamplingParams:
     ``temperature`` 0 is greedy. ``top_k`` 0 or -1, ``top_p`` 1.0 and ``min_p`` 0.0 are off.
     ``logprobs`` is the number of top log-probabilities returned per generated token (-1: the
     whole vocabulary). ``seq_seed`` makes sampling a pure function of (seed, output position,
-    token id), independent of batch mates. ``so_args`` = ``{"schema_type": "json"|"regex"|"ebnf",
+    token id), independent of batch mates. ``logit_bias`` maps token ids to a bias in [-100, 100]
+    added to their logits before sampling, greedy included (OpenAI's ``logit_bias``: -100 in effect
+    bans a token, +100 all but forces it); the engine checks the ids against its vocabulary.
+    ``so_args`` = ``{"schema_type": "json"|"regex"|"ebnf",
     "schema": ...}`` asks the structured-outputs plugin to constrain the output.
 
     After construction ``stop`` and ``stop_token_ids`` are always lists (a single stop string
     becomes a one-element list, ``None`` an empty list); they are copies, so later changes to
-    the caller's lists do not leak in. No other value is changed: anything out of range raises
-    ``ValueError`` naming the field and the allowed range.
+    the caller's lists do not leak in (``logit_bias`` is a copy too). No other value is changed:
+    anything out of range raises ``ValueError`` naming the field and the allowed range.
     """
 
     n: int = 1
@@ -41,6 +44,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seq_seed: int | None = None
+    logit_bias: dict[int, float] | None = None
     so_args: dict[str, Any] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -51,6 +55,14 @@ class SamplingParams:
         self._check_flags()
         if self.so_args is not None:
             _check_so_args(self.so_args)
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuses ``logit_bias`` ids the model has no logit for (the sampler would index past the vocabulary)."""
+        outside = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if outside:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
 
     @property
     def greedy(self) -> bool:
@@ -119,6 +131,20 @@ def _check_real(name: str, value: object, rule: str, in_range: Callable[[float],
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if not in_range(value):
         raise ValueError(f"{rule}, got {value!r}")
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound
+
+
+def _checked_logit_bias(logit_bias: object) -> dict[int, float]:
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
+    for token_id, bias in logit_bias.items():
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (int >= 0), got {token_id!r}")
+        _check_real(f"logit_bias[{token_id}]", bias, f"logit_bias[{token_id}] must be in [-100, 100]",
+                    lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS)
+    return dict(logit_bias)
 
 
 def _check_so_args(so_args: object) -> None:

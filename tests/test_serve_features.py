@@ -19,7 +19,8 @@ from deepinfer.chat_encoding import _dsml  # noqa: E402
 from deepinfer.serve.app import create_app  # noqa: E402
 from deepinfer.serve.engine_loop import Admitted, Delta  # noqa: E402
 # the same module-scoped fixtures (a server admitting 64 requests, its client, the offline engine), one per module
-from test_serve import MODEL, PROMPTS, _client, _serve, _stop, client, offline, server  # noqa: E402, F401
+from test_serve import (MODEL, PROMPTS, _client, _serve, _stop, client, offline, server,  # noqa: E402, F401
+                        structured_plugin)
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -231,3 +232,147 @@ def test_the_engines_refusals_name_their_field(server, client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        response_format={"type": "json_object"}, extra_body={"min_tokens": 2})
     assert refused.value.body["param"] == "response_format"
+
+
+# -- tool_choice "required" and named functions: the structured-outputs grammar of a DSML block ------------------
+
+UNITS = [{"type": "function", "function": {"name": "set_units", "description": "The units of the forecast.",
+                                           "parameters": {"type": "object", "required": ["unit", "metric"],
+                                                          "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                                                         "metric": {"type": "boolean"}}}}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+needs_grammars = pytest.mark.skipif(structured_plugin is None, reason="features/structured_outputs is not installed")
+
+
+def _valid_calls(message, tools) -> list[tuple[str, dict]]:
+    """(name, arguments) of each call, each checked against its tool's parameters schema."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    for name, arguments in calls:
+        jsonschema.validate(arguments, schemas[name])
+    return calls
+
+
+@needs_grammars
+def test_a_named_function_is_called_with_arguments_that_match_its_schema(client):
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                         tools=UNITS, max_tokens=300, temperature=0,
+                                         tool_choice={"type": "function", "function": {"name": "set_units"}})
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [name for name, _ in _valid_calls(choice.message, UNITS)] == ["set_units"]
+    assert "tool_call_errors" not in (choice.message.model_extra or {})
+
+
+@needs_grammars
+def test_required_makes_the_model_call_a_tool(server, client):
+    # the tiny model, forced into the block, repeats calls until max_tokens; a bias on "</" (allowed by the grammar
+    # only where a tag closes) ends the block after the first call
+    close = server[0].llm.tokenizer.convert_tokens_to_ids("</")
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=UNITS, tool_choice="required",
+        max_tokens=300, temperature=0, logit_bias={str(close): 100}, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(d.content or "" for d in deltas)  # the block never streams as text
+    calls = [call for d in deltas for call in d.tool_calls or ()]
+    assert len(calls) >= 1 and {c.function.name for c in calls} <= {"set_units", "get_time"}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "send_mail"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"), ({"tool_choice": {"function": "f"}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}]},
+     "tools[0].function.parameters.properties.n"),
+])
+def test_a_forced_call_that_cannot_be_made_is_a_400_naming_the_field(scripted, fields, param):
+    loop, client = scripted
+    submitted = len(loop.prompts)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       **{"tools": UNITS, **fields})
+    assert refused.value.body["param"] == param and len(loop.prompts) == submitted  # refused before the engine
+
+
+def test_calls_that_break_their_schema_come_back_flagged(scripted):
+    loop, client = scripted
+    wrong = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": "3"}}},
+             {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    text, loop.text = loop.text, "Checking." + _dsml(wrong)
+    try:
+        messages = [{"role": "user", "content": "Weather?"}]
+        got = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0]
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True))
+    finally:
+        loop.text = text
+    # what the model wrote is returned as written; the call that breaks the schema is named, with why
+    assert got.finish_reason == "tool_calls" and got.message.content == "Checking."
+    assert [json.loads(c.function.arguments) for c in got.message.tool_calls] == [
+        {"city": "Paris", "days": "3"}, {"city": "Oslo"}]
+    (error,) = got.message.model_extra["tool_call_errors"]
+    assert error["index"] == 0 and error["id"] == got.message.tool_calls[0].id and "['days']" in error["message"]
+    streamed = [e for c in chunks if c.choices for e in (c.choices[0].delta.model_extra or {}).get(
+        "tool_call_errors", ())]
+    assert [e["index"] for e in streamed] == [0]
+
+
+# -- echo, logit_bias ------------------------------------------------------------------------------------------
+
+def test_echo_leads_each_choice_with_its_prompt(server, client):
+    ids = server[0].llm.tokenizer.encode(PROMPTS[0])
+    plain = client.completions.create(model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=6, temperature=0,
+                                       echo=True)
+    assert [c.text for c in echoed.choices] == [PROMPTS[1] + plain.choices[0].text, PROMPTS[2] + plain.choices[1].text]
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    stream = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=1, seed=5, n=2, echo=True,
+                                       stream=True)
+    texts = ["", ""]
+    for chunk in stream:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    prompt_text = server[0].llm.tokenizer.decode(ids)
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=1, seed=5, n=2)
+    assert texts == [prompt_text + c.text for c in whole.choices]
+
+
+def test_logit_bias_forces_bans_and_keeps_seeded_sampling_deterministic(server, client, offline):
+    forced = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                       logit_bias={"100": 100})
+    assert forced.choices[0].text == server[0].llm.tokenizer.decode([100] * 6)
+    greedy = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    ban = {t: -100 for t in greedy[0].outputs[0].token_ids}
+    want = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, logit_bias=ban), use_tqdm=False)
+    assert not set(want[0].outputs[0].token_ids) & set(ban)
+    banned = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                       logit_bias={str(t): b for t, b in ban.items()})
+    assert banned.choices[0].text == want[0].outputs[0].text
+    args = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.0, seed=11, logit_bias={"100": 3})
+    assert client.completions.create(**args).choices[0].text == client.completions.create(**args).choices[0].text
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_refused_offline(offline):
+    vocab = offline.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=rf"logit_bias has token ids outside the vocabulary \[0, {vocab}\)"):
+        offline.generate("x", SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        next(offline.stream("x", SamplingParams(logit_bias={vocab + 5: 1.0})))
+    assert not offline.engine.has_unfinished()  # refused before anything was queued
+
+
+def test_bench_serve_against_a_running_server_by_base_url(server, tmp_path, capsys):
+    from deepinfer.cli import main
+
+    loop, url = server
+    before = loop.counters["finished_requests"]
+    main(["bench", "serve", "--base-url", url, "--model", MODEL, "--num-prompts", "3", "--random-input-len", "6",
+          "--random-output-len", "3", "--ignore-eos", "--save-result", "--result-dir", str(tmp_path)])
+    (saved,) = tmp_path.glob("*.json")
+    result = json.loads(saved.read_text())
+    assert result["completed"] == 3 and result["failed"] == 0 and result["total_output_tokens"] == 9
+    assert loop.counters["finished_requests"] - before == 3 + 1  # this server ran them, and the warm-up
+    assert "Serving Benchmark Result" in capsys.readouterr().out

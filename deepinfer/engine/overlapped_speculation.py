@@ -151,9 +151,9 @@ class OverlappedSpeculation:
 
     # -- which steps ------------------------------------------------------------------------------
     def _device_ready(self, request: Request) -> bool:
-        """Nothing of its next steps needs the host: no grammar, no penalties, ``min_tokens`` met."""
+        """Nothing of its next steps needs the host: no grammar, no penalties or logit bias, ``min_tokens`` met."""
         p = request.params
-        return (request.grammar is None and not (p.presence_penalty or p.frequency_penalty)
+        return (request.grammar is None and not (p.presence_penalty or p.frequency_penalty or p.logit_bias)
                 and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
 
     def _can_launch(self, scheduled: ScheduledBatch) -> bool:

@@ -16,7 +16,7 @@ does not declare it, so the mode never runs with a weaker guarantee than it name
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -278,6 +278,8 @@ class SamplingBatch:
     any_top_k_top_p: bool = True
     any_seeded: bool = True
     any_logprobs: bool = True  # False: no row records log-probabilities, so ``SamplerOutput.logprobs`` may be None
+    # each row's {token id: bias} added to its logits before anything else (OpenAI's logit_bias); empty: no row has any
+    logit_bias: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -74,17 +74,19 @@ def build_sampling_batch(rows: list[tuple[Request, int]], vocab_size: int, devic
                           prompt_token_ids=[r.prompt_token_ids for r in requests] if penalised else [],
                           output_token_ids=[r.output_token_ids + r.draft_token_ids[:j] for r, j in rows]
                           if penalised else [],
-                          blocked_token_ids=[_blocked(r, i) for r, i in zip(requests, index)])
+                          blocked_token_ids=[_blocked(r, i) for r, i in zip(requests, index)],
+                          logit_bias=[p.logit_bias or {} for p in params] if any(p.logit_bias for p in params) else [])
 
 
 def sampling_batch(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                    seeds: torch.Tensor, positions: torch.Tensor, flags: SamplingFlags,
                    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    any_penalties: bool = False, prompt_token_ids: list = (), output_token_ids: list = (),
-                   blocked_token_ids: list = ()) -> SamplingBatch:
+                   blocked_token_ids: list = (), logit_bias: list = ()) -> SamplingBatch:
     """The sampler's batch of per-row tensors, wherever they are. Without ``penalties`` (presence, frequency,
-    repetition) and the host's lists nothing in it comes from the host, so a graph can hold the sampler that
-    reads it (the overlapped speculative steps build it so, from values already on the device)."""
+    repetition) and the host's lists (token ids, blocked tokens, logit biases) nothing in it comes from the host,
+    so a graph can hold the sampler that reads it (the overlapped speculative steps build it so, from values
+    already on the device)."""
     if penalties is None:
         none = torch.zeros_like(temperature)
         penalties = none, none, none + 1
@@ -92,5 +94,6 @@ def sampling_batch(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
                          frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, positions=positions,
                          prompt_token_ids=list(prompt_token_ids), output_token_ids=list(output_token_ids),
-                         blocked_token_ids=list(blocked_token_ids), any_penalties=any_penalties,
+                         blocked_token_ids=list(blocked_token_ids), logit_bias=list(logit_bias),
+                         any_penalties=any_penalties,
                          **asdict(flags))

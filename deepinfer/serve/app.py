@@ -67,7 +67,9 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         submissions = [Submission(p, params, name=f"prompt[{i}]" if len(prompts) > 1 else "prompt", index=i,
                                   events=events) for i, p in enumerate(prompts)]
         run = await _start(loop, submissions, events)
-        response = Completion(body, model_name, run)
+        # echo: each prompt's text leads its choices' text (token-id prompts decoded, special tokens kept)
+        echoes = [p if isinstance(p, str) else loop.llm.tokenizer.decode(p) for p in prompts] if body.echo else None
+        response = Completion(body, model_name, run, echoes)
         return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)
 
     @app.post("/v1/chat/completions")
@@ -78,13 +80,14 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
             text = encode_chat(body.conversation(), body.thinking, tools=tools, reasoning_effort=body.reasoning_effort)
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
-        so_args = body.response_format.so_args() if body.response_format is not None else None
+        so_args, constrained_by = body.constraint(tools)
         limit = body.completion_limit()
         params = body.sampling_params(1 if limit is None else limit, so_args)
         events: asyncio.Queue = asyncio.Queue()
         run = await _start(loop, [Submission(text, params, fill_max_tokens=limit is None, name="messages",
-                                             add_special_tokens=False, events=events)], events)
-        response = Chat(body, model_name, run, tools=tools is not None)
+                                             add_special_tokens=False, constrained_by=constrained_by,
+                                             events=events)], events)
+        response = Chat(body, model_name, run, tools=tools)
         return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)
 
     return app

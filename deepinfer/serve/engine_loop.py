@@ -48,6 +48,7 @@ class Submission:
     fill_max_tokens: bool = False
     add_special_tokens: bool = True  # False for a chat encoding, which carries its own BOS (as LLM.chat_prompt)
     name: str = "prompt"
+    constrained_by: str = "response_format"  # the HTTP field its params' so_args come from: refusals name it
     index: int = 0  # which of its HTTP request's prompts: events go out as (index, event), queues may be shared
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
@@ -156,15 +157,20 @@ class EngineLoop:
         except (ValueError, NotImplementedError) as exc:  # check_prompt's messages open with submission.name
             raise invalid(str(exc)) from None
         params = submission.params
+        try:
+            params.check_vocabulary(self.engine.model_config.vocab_size)
+        except ValueError as exc:
+            raise invalid(str(exc), "logit_bias") from None
         if submission.fill_max_tokens:
             params = dataclasses.replace(params, max_tokens=self.engine.max_model_len - len(token_ids))
         if params.so_args is not None:
+            field = submission.constrained_by
             if params.min_tokens:
-                raise invalid("response_format cannot be combined with min_tokens", "response_format")
+                raise invalid(f"{field} cannot be combined with min_tokens", field)
             try:  # the plugin missing, or a schema it cannot compile
                 self.engine.structured_outputs().validate(params.so_args)
             except (ValueError, NotImplementedError) as exc:
-                raise invalid(str(exc), "response_format") from None
+                raise invalid(str(exc), field) from None
         return token_ids, params
 
     def _refuse(self, submission: Submission, error: APIError) -> None:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serve.errors import invalid, unsupported
+from deepinfer.serve.tool_grammar import ToolSchemaError, forced_call_grammar
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs, for completions' logprobs too
 
@@ -48,17 +49,15 @@ class _Sampling(_Body):
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
 
-    def _refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise unsupported("logit_bias", "the engine's sampler has no per-token bias")
+    def _check_combinations(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream: true", "stream_options")
 
     def sampling_params(self, max_tokens: int, so_args: dict | None = None) -> SamplingParams:
         """``SamplingParams``' own checks name the field refused (temperature=-1: a 400 naming temperature)."""
-        self._refuse_unsupported()
+        self._check_combinations()
         given = dict(logprobs=self.num_logprobs(), n=self.n, temperature=self.temperature, top_p=self.top_p,
-                     stop=self.stop, seq_seed=self.seed,
+                     stop=self.stop, seq_seed=self.seed, logit_bias=self._logit_bias(),
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens,
                      repetition_penalty=self.repetition_penalty, stop_token_ids=self.stop_token_ids,
@@ -69,6 +68,19 @@ class _Sampling(_Body):
                                   **{k: v for k, v in given.items() if v is not None})
         except ValueError as exc:
             raise invalid(str(exc)) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's map of token ids as text to biases, keyed by int (``SamplingParams`` checks the values)."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for token_id, value in self.logit_bias.items():
+            try:
+                bias[int(token_id)] = value
+            except ValueError:
+                raise invalid(f"logit_bias keys must be token ids (integers as text), got {token_id!r}",
+                              "logit_bias") from None
+        return bias
 
     def num_logprobs(self) -> int | None:
         """``SamplingParams.logprobs``: how many top alternatives each token reports (None: no logprobs)."""
@@ -90,10 +102,12 @@ class CompletionRequest(_Sampling):
     best_of: StrictInt | None = None
 
     def prompts(self) -> list[str | list[int]]:
-        if self.echo:
-            raise unsupported("echo")
-        if self.suffix:
-            raise unsupported("suffix", "DeepSeek-V4 has no fill-in-the-middle encoding here")
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo cannot be combined with logprobs: the engine computes no log-probabilities of the "
+                          "prompt's tokens, which OpenAI's echo returns with them; ask without echo", "echo")
+        if self.suffix is not None:
+            raise invalid("suffix (fill-in-the-middle) is not supported: DeepSeek-V4 has no fill-in-the-middle "
+                          "encoding here, so the model cannot write text that ends in suffix", "suffix")
         if self.best_of not in (None, 1, self.n):
             raise unsupported("best_of", "only best_of == n")
         prompt = self.prompt
@@ -155,12 +169,6 @@ class ChatRequest(_Sampling):
         choice = self.tool_choice
         if choice is not None and not self.tools and choice != "none":
             raise invalid("tool_choice needs tools", "tool_choice")
-        if choice not in (None, "auto", "none"):
-            if choice == "required" or isinstance(choice, dict):
-                # forcing a call would need a grammar of the DSML block for each tool's schema: not built yet
-                raise unsupported("tool_choice", f"only \"auto\" and \"none\", got {json.dumps(choice)}")
-            raise invalid(f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r}',
-                          "tool_choice")
         if self.parallel_tool_calls is False:
             # the model may still write several calls; keeping only the first would drop what it wrote
             raise unsupported("parallel_tool_calls", "the model's calls cannot be limited to one")
@@ -172,7 +180,41 @@ class ChatRequest(_Sampling):
                     or not isinstance(function.get("name"), str) or not function["name"]:
                 raise invalid(f'tools[{i}] must be {{"type": "function", "function": {{"name": str, ...}}}}',
                               f"tools[{i}]")
+        self._forced_tool()  # a bad tool_choice is refused before anything runs
         return self.tools
+
+    def _forced_tool(self) -> tuple[bool, str | None]:
+        """(whether tool_choice forces a call, the one tool it names or None for any): "required" or
+        ``{"type": "function", "function": {"name": ...}}``; "auto" and None leave it to the model."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return False, None
+        if choice == "required":
+            return True, None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                          f'{{"name": ...}}}}, got {json.dumps(choice)}', "tool_choice")
+        if name not in [tool["function"]["name"] for tool in self.tools]:
+            raise invalid(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
+        return True, name
+
+    def constraint(self, tools: list[dict] | None) -> tuple[dict | None, str]:
+        """``so_args`` for the output and the field they come from (the engine's refusals name it): a forced tool
+        call's DSML grammar (``tool_grammar``), ``response_format``'s schema, or none."""
+        forced, name = self._forced_tool() if tools is not None else (False, None)
+        if not forced:
+            so_args = self.response_format.so_args() if self.response_format is not None else None
+            return so_args, "response_format"
+        if self.response_format is not None and self.response_format.type != "text":
+            raise invalid("response_format cannot be combined with a tool_choice that forces a call: the answer is "
+                          "the call", "response_format")
+        try:
+            grammar = forced_call_grammar(tools, name, self.thinking)
+        except ToolSchemaError as exc:
+            raise invalid(str(exc), exc.where) from None
+        return {"schema_type": "ebnf", "schema": grammar}, "tool_choice"
 
     def conversation(self) -> list[dict]:
         """The messages, with OpenAI's content parts joined into text (only text parts exist for this model)."""

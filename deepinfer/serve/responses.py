@@ -9,7 +9,7 @@ import uuid
 from deepinfer.chat_encoding import END_THINK
 from deepinfer.outputs import Logprob
 from deepinfer.serve.engine_loop import Delta
-from deepinfer.serve.tool_calls import held_back, parse_tool_calls
+from deepinfer.serve.tool_calls import call_errors, held_back, parse_tool_calls
 
 
 def usage(run) -> dict:
@@ -60,9 +60,16 @@ class _Response:
 class Completion(_Response):
     object, prefix = "text_completion", "cmpl"
 
-    def __init__(self, body, model, run):
+    def __init__(self, body, model, run, echoes: list[str] | None = None):
         super().__init__(body, model, run)
         self.offset = [0] * self.choices  # text_offset of the next token, for streams
+        # per choice, the prompt text still to lead its text (echo); a prompt's n choices follow one another
+        self.unechoed = [echoes[i // run.n] if echoes else "" for i in range(self.choices)]
+
+    def _echoed(self, choice: int, text: str) -> str:
+        """``text`` led by the choice's prompt the first time (echo), as is after."""
+        text, self.unechoed[choice] = self.unechoed[choice] + text, ""
+        return text
 
     def _logprobs(self, choice: int, tokens: list[tuple[int, dict[int, Logprob]]] | None) -> dict | None:
         """The legacy shape: parallel lists of tokens, their logprobs, top alternatives and character offsets."""
@@ -80,12 +87,13 @@ class Completion(_Response):
 
     def whole(self, run) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [{"index": i, "text": self.text[i],
+                "choices": [{"index": i, "text": self._echoed(i, self.text[i]),
                              "logprobs": self._logprobs(i, self.logprobs[i] if self.logprobs else None),
                              "finish_reason": self.finish[i]} for i in range(self.choices)], "usage": usage(run)}
 
     def chunks(self, choice: int, delta: Delta) -> list[dict]:
-        return [self.chunk([{"index": choice, "text": delta.text, "logprobs": self._logprobs(choice, delta.logprobs),
+        return [self.chunk([{"index": choice, "text": self._echoed(choice, delta.text),
+                             "logprobs": self._logprobs(choice, delta.logprobs),
                              "finish_reason": _finish_reason(delta.finish_reason)}])]
 
 
@@ -98,11 +106,12 @@ def _chat_logprobs(tokens: list[tuple[int, dict[int, Logprob]]]) -> list[dict]:
 
 class Chat(_Response):
     """In thinking mode the output is "reasoning</think>answer": the reasoning goes out as ``reasoning_content``.
-    With tools, a DSML block at the answer's end becomes ``tool_calls`` (``tool_calls.py``)."""
+    With tools, a DSML block at the answer's end becomes ``tool_calls`` (``tool_calls.py``); what is wrong with
+    the calls (``call_errors``) goes out as the message's ``tool_call_errors``, a field OpenAI does not have."""
 
     object, prefix = "chat.completion", "chatcmpl"
 
-    def __init__(self, body, model, run, tools: bool):
+    def __init__(self, body, model, run, tools: list[dict] | None):
         super().__init__(body, model, run)
         self.thinking, self.tools = body.thinking, tools
         self.sent = [(0, 0)] * self.choices  # (reasoning, content) characters streamed so far
@@ -119,22 +128,26 @@ class Chat(_Response):
                 return reasoning[:-keep], ""
         return reasoning, ""
 
-    def _answer(self, text: str, finished: bool) -> tuple[str, str, list]:
-        """(reasoning, content, tool calls) of a choice's text so far; unfinished, content stops where a tool-call
-        block may be starting, parsed once the choice ends (so a stream ends as the whole response does)."""
+    def _answer(self, text: str, finished: bool) -> tuple[str, str, list, list]:
+        """(reasoning, content, tool calls, their errors) of a choice's text so far; unfinished, content stops where
+        a tool-call block may be starting, parsed once the choice ends (so a stream ends as the whole response
+        does)."""
         reasoning, content = self._split(text, finished)
         if not self.tools:
-            return reasoning, content, []
+            return reasoning, content, [], []
         if finished:
-            return (reasoning, *parse_tool_calls(content))
-        return reasoning, content[:held_back(content)], []
+            content, calls = parse_tool_calls(content)
+            return reasoning, content, calls, call_errors(content, calls, self.tools)
+        return reasoning, content[:held_back(content)], [], []
 
-    def _message(self, reasoning: str, content: str, calls: list) -> dict:
+    def _message(self, reasoning: str, content: str, calls: list, errors: list) -> dict:
         message = {"role": "assistant", "content": content if content or not calls else None}
         if self.thinking:
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [call.openai() for call in calls]
+        if errors:
+            message["tool_call_errors"] = errors
         return message
 
     def _finish(self, reason: str | None, calls: list) -> str | None:
@@ -143,8 +156,8 @@ class Chat(_Response):
     def whole(self, run) -> dict:
         choices = []
         for i in range(self.choices):
-            reasoning, content, calls = self._answer(self.text[i], True)
-            choices.append({"index": i, "message": self._message(reasoning, content, calls),
+            reasoning, content, calls, errors = self._answer(self.text[i], True)
+            choices.append({"index": i, "message": self._message(reasoning, content, calls, errors),
                             "logprobs": None if self.logprobs is None else {"content": _chat_logprobs(self.logprobs[i])},
                             "finish_reason": self._finish(self.finish[i], calls)})
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
@@ -157,7 +170,7 @@ class Chat(_Response):
     def chunks(self, choice: int, delta: Delta) -> list[dict]:
         self.text[choice] += delta.text
         finished = delta.finish_reason is not None
-        reasoning, content, calls = self._answer(self.text[choice], finished)
+        reasoning, content, calls, errors = self._answer(self.text[choice], finished)
         sent_reasoning, sent_content = self.sent[choice]
         self.sent[choice] = (len(reasoning), len(content))
         piece = {}
@@ -167,6 +180,8 @@ class Chat(_Response):
             piece["content"] = content[sent_content:]
         if calls:  # each call whole, in one delta: OpenAI's clients join a call's pieces by its index
             piece["tool_calls"] = [call.openai(index=k) for k, call in enumerate(calls)]
+        if errors:
+            piece["tool_call_errors"] = errors
         logprobs = None if self.logprobs is None else {"content": _chat_logprobs(delta.logprobs or [])}
         if not piece and not finished and not (logprobs and logprobs["content"]):
             return []

@@ -13,6 +13,9 @@ A DeepSeek-V4 answer that calls tools ends with::
 ``parse_tool_calls`` splits such a text into the content before the block and the calls. Anything that is not a
 well-formed block (an unclosed tag, a stray character between tags, a ``string="false"`` value that is not JSON, a
 repeated parameter) is returned whole as content: what the model wrote reaches the client either way.
+``call_errors`` says what is wrong with the calls of a choice (a block that did not parse, a tool that is not in
+``tools``, arguments that break the tool's ``parameters`` schema): the server reports it next to what the model
+wrote, which it returns unchanged.
 """
 
 from __future__ import annotations
@@ -112,3 +115,42 @@ def held_back(text: str) -> int:
                 break
     # the newlines before a block are dropped with it (parse_tool_calls): they wait until it is known not to come
     return len(text[:cut].rstrip("\n"))
+
+
+def call_errors(content: str, calls: list[ToolCall], tools: list[dict]) -> list[dict]:
+    """``[{"index", "id", "name", "message"}]`` for each call the client should not run as is, and one entry
+    without index, id or name for a block left in ``content`` because it did not parse (or was cut short)."""
+    if not calls:
+        if BLOCK_OPEN not in content:
+            return []
+        return [{"message": "the answer holds a DSML tool-call block that does not parse (malformed, or cut short "
+                            "by max_tokens): it is returned as content, not as tool_calls"}]
+    schemas = {tool["function"]["name"]: tool["function"].get("parameters") for tool in tools}
+    errors = []
+    for index, call in enumerate(calls):
+        if call.name not in schemas:
+            problem = f"the model called {call.name!r}, which is not in tools"
+        else:
+            problem = _schema_problem(json.loads(call.arguments), schemas[call.name])
+        if problem is not None:
+            errors.append({"index": index, "id": call.id, "name": call.name, "message": problem})
+    return errors
+
+
+def _schema_problem(arguments: dict, schema: dict | None) -> str | None:
+    if not schema:
+        return None
+    try:
+        import jsonschema
+    except ImportError:
+        return "arguments not checked against the tool's parameters schema: jsonschema is not installed"
+    validator = jsonschema.validators.validator_for(schema)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        return f"arguments not checked: the tool's parameters are not a valid JSON schema ({exc.message})"
+    error = jsonschema.exceptions.best_match(validator(schema).iter_errors(arguments))
+    if error is None:
+        return None
+    where = "".join(f"[{p!r}]" for p in error.absolute_path)
+    return f"arguments{where} break the tool's parameters schema: {error.message}"

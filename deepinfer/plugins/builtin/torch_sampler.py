@@ -1,6 +1,6 @@
 """Reference sampler in plain torch: the behaviour other samplers are tested against.
 
-Order per row: blocked tokens, repetition penalty, frequency/presence penalties, then greedy
+Order per row: logit bias, blocked tokens, repetition penalty, frequency/presence penalties, then greedy
 argmax, or temperature, top-k, top-p, min-p and a Gumbel-max draw. Returned log-probabilities
 are those of the raw model distribution (vLLM's default "raw_logprobs").
 """
@@ -32,7 +32,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 class TorchSampler:
     name: str = "torch-reference"
     batch_invariant: bool = True
-    graph_safe: bool = True  # without penalties or blocked tokens, whose index tensors come from the host
+    graph_safe: bool = True  # without penalties, blocked tokens or logit biases, whose tensors come from the host
     # ``argmax(dim=-1)`` of fp32 [T, V] logits: a backend plugin passes a faster one (the NVIDIA plugin's Triton
     # kernel), the same function: the first maximal index, a NaN above any number
     greedy: Callable[[torch.Tensor], torch.Tensor] = _argmax
@@ -40,8 +40,11 @@ class TorchSampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.any_logprobs else None
-        if any(batch.blocked_token_ids) or batch.any_penalties:  # edited in place: the caller's tensor is left alone
+        biased = any(batch.logit_bias)
+        if biased or any(batch.blocked_token_ids) or batch.any_penalties:  # edited in place: the caller's is left alone
             logits = logits.clone()
+            if biased:
+                _add_logit_bias(logits, batch.logit_bias)
             _block_tokens(logits, batch.blocked_token_ids)
             if batch.any_penalties:
                 _apply_penalties(logits, batch)
@@ -65,6 +68,12 @@ def _flat_index(rows_of_ids: list[list[int]], device: torch.device) -> tuple[tor
     rows = torch.tensor([row for row, ids in enumerate(rows_of_ids) for _ in ids], dtype=torch.int64)
     cols = torch.tensor(list(itertools.chain.from_iterable(rows_of_ids)), dtype=torch.int64)
     return to_device(rows, device), to_device(cols, device)
+
+
+def _add_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float]]) -> None:
+    rows, cols = _flat_index([list(bias) for bias in logit_bias], logits.device)
+    values = torch.tensor([value for bias in logit_bias for value in bias.values()], dtype=logits.dtype)
+    logits.index_put_((rows, cols), to_device(values, logits.device), accumulate=True)
 
 
 def _block_tokens(logits: torch.Tensor, blocked_token_ids: list[list[int]]) -> None:
