@@ -77,21 +77,23 @@ V4 = ReleaseRules(
     fp32=re.compile(r"(?:.*\.)?(?:hc_(?:attn|ffn|head)_(?:fn|base|scale)|attn_sink|ape|gate\.bias)"),
 )
 # V4.1 differs: 32 x 32 tiles, the Engram projection in FP8 and its tables with row scales, compressors in fp32,
-# no MTP e_proj/h_proj (its DSpark main_proj and heads are bf16) and no hc_head.
+# no MTP e_proj/h_proj (its DSpark main_proj and heads are bf16) and no hc_head. Its vision encoder is bf16 but for
+# the fp32 norms.
 V41 = ReleaseRules(
     block=(32, 32),
     fp8=re.compile(rf"{_ATTN_FFN_FP8}|layers\.\d+\.engram\.wkv\.weight"),
     mxfp4=V4.mxfp4,
     fp8_rows=re.compile(r"layers\.\d+\.engram\.embed\.weight"),
     fp32=re.compile(r"(?:.*\.)?(?:hc_(?:attn|ffn)_(?:fn|base|scale)|attn_sink|ffn\.gate\.bias(?:_vl)?"
-                    r"|compressor\.(?:wkv|wgate)\.weight)"),
+                    r"|compressor\.(?:wkv|wgate)\.weight)|vision\.(?:blocks\.\d+\.norm[12]|norm)\.weight"),
 )
 RULES = {"deepseek_v4": V4, "deepseek_v41": V41, "deepseek_v41_text": V41}
 
-# DeepSeek's naming: top-level tensors, decoder blocks (attention, MoE, norms, mHC, V4.1 Engram), MTP stages.
+# DeepSeek's naming: top-level tensors, decoder blocks (attention, MoE, norms, mHC, V4.1 Engram), MTP stages,
+# V4.1's vision encoder.
 _BLOCK = r"(?:attn|ffn|engram)\..+|(?:attn|ffn)_norm\.weight|hc_(?:attn|ffn)_(?:fn|base|scale)"
 DEEPSEEK_NAME = re.compile(rf"(?:embed|head|norm)\.weight|hc_head_(?:fn|base|scale)|layers\.\d+\.(?:{_BLOCK})"
-                           r"|mtp\.\d+\..+")
+                           r"|mtp\.\d+\..+|(?:vision|aligner)\..+|image_(?:start|end|newline)")
 # save_pretrained's own spellings (after its "model." prefix), mapped back to DeepSeek's.
 _SAVE_PRETRAINED = [(re.compile(r"^embed_tokens\."), "embed."), (re.compile(r"^hc_head\.hc_(fn|base|scale)$"),
                      r"hc_head_\1"), (re.compile(r"\.attn\.norm\.weight$"), ".attn.kv_norm.weight")]

@@ -13,6 +13,7 @@ from deepinfer.models.contract import CheckpointNaming
 from deepinfer.models.deepseek_v4.weight_names import naming
 from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer.models.deepseek_v41.vision_weights import is_vision_tensor
 
 MODELS: dict[str, tuple[type, type]] = {
     "deepseek_v4": (DeepseekV4ModelConfig, DeepseekV4ForCausalLM),
@@ -48,6 +49,8 @@ def model_class(config) -> type:
 
 def checkpoint_naming(config) -> CheckpointNaming:
     """Maps checkpoint names onto the model's: V4 ships in three namings, V4.1 in DeepSeek's own only."""
-    if isinstance(config, DeepseekV41ModelConfig):  # the DSpark stages (mtp.*) are the drafter's to load
-        return naming(lambda name: None if name.startswith(("mtp.", "model.mtp.")) else name.removeprefix("model."))
+    if isinstance(config, DeepseekV41ModelConfig):  # the DSpark stages (mtp.*) are the drafter's, the vision
+        # encoder's tensors its own loader's (``vision_weights``)
+        return naming(lambda name: None if name.startswith(("mtp.", "model.mtp.")) or is_vision_tensor(name)
+                      else name.removeprefix("model."))
     return naming()

@@ -3,7 +3,9 @@
 ``TINY_V41`` gives every layer kind the engine implements one layer: 0-1 window only (1 with Engram); 2 a ratio-2
 KV and index source; 3 reuses 2; 4 re-indexes 2's keys; 5 a ratio-1 KV source publishing candidate blocks; 6 reuses
 5; 7 re-indexes inside 5's candidates (with Engram); 8 a window-only decoder layer; plus three DSpark entries.
-``tools/goldens/v41_golden.py`` builds the NeMo AutoModel fixture from the same dict.
+``tools/goldens/v41_golden.py`` builds the NeMo AutoModel fixture from the same dict. ``TINY_VISION`` adds a
+two-layer vision tower (``vision=True``), small enough that every resize branch runs on images of a few dozen
+pixels; ``tools/goldens/v41_vision_golden.py`` records NeMo's outputs for it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,22 @@ TINY_V41 = dict(
                   "original_max_position_embeddings": 256},
 )
 
+TINY_VISION = dict(
+    num_hidden_layers=2,
+    hidden_size=32,
+    num_attention_heads=2,
+    intermediate_size=48,
+    patch_size=4,
+    rope_theta=10000.0,
+    downsample_ratio=2,  # 8 x 8 pixels per image token
+    max_image_tokens=48,
+    min_pixels=576,
+    max_wh_ratio=4.0,
+)
+# The tiny tokenizer has no <｜deepseek_image｜>; its last id (a rare merge) stands in for it.
+TINY_IMAGE_TOKEN_ID = TINY_V41["vocab_size"] - 1
+
+
 def released_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Float tensors under released names -> the released dtypes (``deepinfer.loading.convert.V41``: FP8/MXFP4 + e8m0
     scales, fp32, else bf16), as ``python -m deepinfer.loading.convert`` writes them."""
@@ -70,9 +88,11 @@ def released_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def write_v41_config(out_dir: str | Path, text: dict, tokenizer_vocab: int | None = None) -> tuple[dict, object]:
+def write_v41_config(out_dir: str | Path, text: dict, tokenizer_vocab: int | None = None,
+                     vision: dict | None = None) -> tuple[dict, object]:
     """config.json (released ``quantization_config`` included) and a test tokenizer in ``out_dir`` for the text
-    config ``text``; Engram's normalised vocabulary size is taken from that tokenizer. Returns (config, tokenizer)."""
+    config ``text`` (and the vision tower ``vision``, none by default); Engram's normalised vocabulary size is taken
+    from that tokenizer. Returns (config, tokenizer)."""
     from deepinfer.models.deepseek_v41.engram import normalised_vocabulary
     from transformers import PreTrainedTokenizerFast
 
@@ -83,14 +103,17 @@ def write_v41_config(out_dir: str | Path, text: dict, tokenizer_vocab: int | Non
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
     text["engram_compressed_vocab_size"] = normalised_vocabulary(tokenizer)[1]
     d = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": text,
-         "vision_config": {"num_hidden_layers": 0}, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+         "vision_config": vision or {"num_hidden_layers": 0}, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
          "quantization_config": {**QUANTIZATION_CONFIG, "weight_block_size": list(V41.block)}}
+    if vision:
+        d["image_token_id"] = TINY_IMAGE_TOKEN_ID
     (out / "config.json").write_text(json.dumps(d, indent=2))
     return d, tokenizer
 
 
-def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """Write config.json, model.safetensors (random weights, released format) and a tokenizer; return the dir."""
+def build_tiny_v41(out_dir: str | Path, seed: int = 0, vision: bool = False, **overrides) -> Path:
+    """Write config.json, model.safetensors (random weights, released format) and a tokenizer; return the dir.
+    ``vision``: with ``TINY_VISION``'s tower (its weights drawn apart, so the text weights do not change)."""
     from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from deepinfer.models.contract import Backends
@@ -100,7 +123,7 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
 
     out = Path(out_dir)
-    d, tokenizer = write_v41_config(out, {**TINY_V41, **overrides})
+    d, tokenizer = write_v41_config(out, {**TINY_V41, **overrides}, vision=TINY_VISION if vision else None)
     config = DeepseekV41ModelConfig.from_dict(d)
     model = DeepseekV41ForCausalLM(config, Backends(TorchAttention(), TorchMoE(), TorchLinear(), TorchMHC()),
                                    torch.float32, tokenizer)
@@ -117,6 +140,8 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
                 tensors[f"{per_expert.group(1)}.{e}.{per_expert.group(2)}"] = value[e]
         else:
             tensors[name] = value
+    if config.vision_config is not None:
+        tensors.update(tiny_vision_tensors(config.vision_config, config.hidden_size, seed))
     save_file(released_format(tensors), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -139,3 +164,22 @@ def _draw(name: str, shape, config, g: torch.Generator) -> torch.Tensor:
         return normal(1.0)
     std = shape[-1] ** -0.5
     return normal(4 * std if name == "head.weight" else std)
+
+
+def tiny_vision_tensors(vision, text_hidden_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 vision-encoder tensors for ``vision`` (a ``VisionConfig``) under the released names."""
+    from deepinfer.models.deepseek_v41.vision import VisionEncoder
+
+    g = torch.Generator().manual_seed(seed + 1)
+    tensors = {}
+    for name, tensor in VisionEncoder(vision, text_hidden_size, torch.float32).state_dict().items():
+        noise = torch.randn(tensor.shape, generator=g)
+        if ".norm" in name:  # norm1, norm2 and the final norm
+            tensors[name] = 1 + 0.2 * noise
+        elif name.endswith(".bias"):
+            tensors[name] = 0.1 * noise
+        elif name.startswith("image_"):
+            tensors[name] = noise
+        else:
+            tensors[name] = noise * tensor.shape[-1] ** -0.5
+    return tensors

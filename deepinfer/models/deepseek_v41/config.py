@@ -1,15 +1,15 @@
 """DeepSeek-V4.1 hyper-parameters from its nested ``config.json`` (``model_type`` ``deepseek_v41``).
 
-The text model lives under ``text_config`` (``deepseek_v41_text``), the vision tower under ``vision_config``.
-A bare ``deepseek_v41_text`` dict is accepted too. The checks mirror the released model's rules: which layers own
-a compressor (KV sources), which run an indexer (index sources), which publish candidate blocks, and that every
-compressed layer reads a source with its own ratio.
+The text model lives under ``text_config`` (``deepseek_v41_text``), the vision tower under ``vision_config``
+(``VisionConfig``; None when the checkpoint has none). A bare ``deepseek_v41_text`` dict is accepted too. The checks
+mirror the released model's rules: which layers own a compressor (KV sources), which run an indexer (index
+sources), which publish candidate blocks, and that every compressed layer reads a source with its own ratio.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +19,67 @@ from deepinfer.runtime.quantization import weight_block_size
 from deepinfer.models.deepseek_v4.config import YarnConfig, _dtype, _number, _required, _rope_head_dim, _rope_setup
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """The vision tower and its image sizing, from ``config.json``'s ``vision_config`` (the released names; a key
+    the checkpoint leaves out takes the release's value, as the reference does)."""
+
+    num_layers: int = 32
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 2816
+    patch_size: int = 14
+    rope_theta: float = 10000.0
+    downsample_ratio: int = 3  # ViT patches per side merged into one text-width image token
+    max_image_tokens: int = 1024  # the whole image span, start and end included
+    min_pixels: int = 295936  # smaller images are scaled up to about this area
+    max_wh_ratio: float | None = None  # wider images are squeezed to this width / height
+
+    _KEYS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_heads",
+             "intermediate_size": "intermediate_size", "patch_size": "patch_size", "rope_theta": "rope_theta",
+             "downsample_ratio": "downsample_ratio", "max_image_tokens": "max_image_tokens",
+             "min_pixels": "min_pixels", "max_wh_ratio": "max_wh_ratio"}
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "patch_size", "downsample_ratio",
+                     "min_pixels"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"vision_config: {name} must be positive; got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise ValueError(f"vision_config: hidden_size ({self.hidden_size}) / num_attention_heads "
+                             f"({self.num_heads}) must be a whole head size divisible by 4 (2D RoPE rotates "
+                             "row and column halves)")
+        if self.max_image_tokens < 4:
+            raise ValueError(f"vision_config: max_image_tokens must be >= 4 (start, one image token, its row end, "
+                             f"end); got {self.max_image_tokens}")
+        if not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
+            raise ValueError(f"vision_config: rope_theta must be finite and positive; got {self.rope_theta}")
+        if self.max_wh_ratio is not None and (not math.isfinite(self.max_wh_ratio) or self.max_wh_ratio < 1):
+            raise ValueError(f"vision_config: max_wh_ratio must be null or finite and >= 1; got {self.max_wh_ratio}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> VisionConfig | None:
+        """None for a checkpoint without a vision tower: no ``vision_config``, or one with no layers (text-only
+        releases and the tiny test checkpoints write ``{"num_hidden_layers": 0}``)."""
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise ValueError(f"config.json vision_config must be an object; got {type(d).__name__}")
+        where = "config.json vision_config"
+        if d.get("num_hidden_layers") is not None and _number(int, d["num_hidden_layers"], "num_hidden_layers",
+                                                              where) == 0:
+            return None
+        values = {}
+        for key, name in cls._KEYS.items():
+            if key in d and not (name == "max_wh_ratio" and d[key] is None):
+                values[name] = _number(float if name in ("rope_theta", "max_wh_ratio") else int, d[key], key, where)
+        return cls(**values)
 
 
 @dataclass(slots=True)
@@ -72,7 +133,7 @@ class DeepseekV41ModelConfig:
     max_position_embeddings: int
     dtype: torch.dtype
     image_token_id: int | None = None
-    vision_config: dict[str, Any] = field(default_factory=dict)
+    vision_config: VisionConfig | None = None
     quantization_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -178,7 +239,7 @@ class DeepseekV41ModelConfig:
             max_position_embeddings=opt_num(int, "max_position_embeddings", 1048576),
             dtype=_dtype(text if (text.get("dtype") or text.get("torch_dtype")) else top),
             image_token_id=top.get("image_token_id"),
-            vision_config=dict(top.get("vision_config") or {}),
+            vision_config=VisionConfig.from_dict(top.get("vision_config")),
             quantization_config=top.get("quantization_config") or text.get("quantization_config"),
         )
 
