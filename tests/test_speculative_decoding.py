@@ -183,6 +183,18 @@ def test_accepted_count():
     assert speculation.accepted_on_host([[]], [[4]]) == [0]
 
 
+def test_the_host_and_device_acceptance_rules_agree():
+    """A synchronous step counts on its host lists, an overlapped one on the device: one rule."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(0, 6, (200,), generator=g).tolist()
+    drafts = [torch.randint(0, 3, (n,), generator=g).tolist() for n in lengths]
+    sampled = [torch.randint(0, 3, (n + 1,), generator=g).tolist() for n in lengths]
+    padded = torch.tensor([d + [0] * (5 - len(d)) for d in drafts])
+    rows = torch.tensor([s + [0] * (6 - len(s)) for s in sampled])
+    on_device = speculation.accepted_counts(padded, rows, torch.tensor(lengths)).tolist()
+    assert speculation.accepted_on_host(drafts, sampled) == on_device and max(on_device) >= 2
+
+
 def test_a_drafter_answering_for_the_wrong_requests_is_an_error(tiny_v4_checkpoint):
     class Short:
         name = "short"

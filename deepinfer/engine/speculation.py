@@ -80,14 +80,17 @@ def accepted_counts(drafts: torch.Tensor, sampled: torch.Tensor, limits: torch.T
 
 
 def accepted_on_host(drafts: list[list[int]], sampled: list[list[int]]) -> list[int]:
-    """``accepted_counts`` of a synchronous step: each request's drafts against its ``sampled`` rows (one more)."""
-    lengths = [len(d) for d in drafts]
-    padded = np.zeros((len(drafts), max(lengths, default=0)), dtype=np.int64)
-    rows = np.zeros((len(drafts), padded.shape[1] + 1), dtype=np.int64)
-    for i, (tokens, row) in enumerate(zip(drafts, sampled)):
-        padded[i, :len(tokens)] = tokens
-        rows[i, :len(row)] = row
-    return accepted_counts(torch.from_numpy(padded), torch.from_numpy(rows), torch.tensor(lengths)).tolist()
+    """``accepted_counts`` of a synchronous step, on its host lists: each request's drafts against its ``sampled``
+    rows (one more). The same rule in plain Python: tensors or arrays built from a step's few lists cost 0.08-0.1
+    ms a step on the host (measured on a CPU VM and as the H200's synchronous speculative steps' output phase),
+    the loop 3 µs; tests/test_speculative_decoding.py checks the two agree."""
+    counts = []
+    for tokens, row in zip(drafts, sampled):
+        count = 0
+        while count < len(tokens) and tokens[count] == row[count]:
+            count += 1
+        counts.append(count)
+    return counts
 
 
 def verified_on_host(drafts: list[Draft], limits: list[int], floor: float | None) -> list[int]:
