@@ -108,18 +108,22 @@ def test_greedy_matches_nemo_in_a_batch_with_text_only_requests(llm):
 def test_chunked_prefill_splitting_images_and_prefix_cache_by_image(small_steps):
     engine = small_steps.engine
     assert greedy(small_steps, [image_prompt(g) for g in GENERATION]) == [g["greedy"] for g in GENERATION]
-    # the same ids and image again: every full block before the last token comes from the prefix cache
-    before, encoded = engine.counters()["cached_prompt_tokens"], engine.counters()["images_encoded"]
-    assert greedy(small_steps, [image_prompt(GENERATION[1])]) == [GENERATION[1]["greedy"]]
-    length = len(GENERATION[1]["input_ids"])
-    assert engine.counters()["cached_prompt_tokens"] - before == (length - 1) // 8 * 8
-    # the same ids with the two images swapped: only the blocks before the first image are shared
-    swapped = dict(GENERATION[1], images=GENERATION[1]["images"][::-1])
-    spans = [engine.prepare_images(swapped["raw_ids"], [FIXTURE / f for f in swapped["images"]], "p")[1]]
-    before = engine.counters()["cached_prompt_tokens"]
-    greedy(small_steps, [image_prompt(swapped)])
-    assert engine.counters()["cached_prompt_tokens"] - before == spans[0][0].start // 8 * 8
-    assert engine.counters()["images_encoded"] == encoded  # both images were encoded already
+    # a full block of text, then an image: the same ids and image again share every full block before the last
+    # token; the same ids with a different image of the same size share only the block before the image
+    gradient = Image.open(FIXTURE / "gradient_40x24.png")
+    raw = [0, *range(20, 29), engine.model_config.image_token_id, 7, 8, 9]
+    prompts = [{"prompt_token_ids": raw, "multi_modal_data": {"image": image}}
+               for image in (gradient, gradient, gradient.transpose(Image.Transpose.FLIP_LEFT_RIGHT))]
+    cached, encoded, tokens = [], [], []
+    for prompt in prompts:
+        output = small_steps.generate(prompt, GREEDY, use_tqdm=False)[0]
+        cached.append(output.metrics.num_cached_tokens)
+        encoded.append(engine.counters()["images_encoded"])
+        tokens.append(output.outputs[0].token_ids)
+    length = len(output.prompt_token_ids)
+    assert cached == [0, (length - 1) // 8 * 8, 8]  # the second resumes inside the image's span
+    assert tokens[1] == tokens[0] != tokens[2]
+    assert encoded[1] == encoded[0] and encoded[2] == encoded[0] + 1  # the same image is encoded once
 
 
 def test_preempted_requests_recompute_their_images(checkpoint):
