@@ -207,3 +207,23 @@ def test_cli_generate_image(llm, checkpoint, capsys):
     assert printed["outputs"][0]["token_ids"] == expected.outputs[0].token_ids
     text_only = llm.generate("hi", GREEDY, use_tqdm=False)[0]
     assert text_only.outputs[0].token_ids != expected.outputs[0].token_ids  # the image was read
+
+
+def test_structured_outputs_hold_for_image_prompts(checkpoint):
+    plugin = pytest.importorskip("deepinfer_structured_outputs.plugin", reason="features/structured_outputs is not "
+                                 "installed (build.sh installs it)")
+    from deepinfer.plugins.manager import registered
+
+    with registered(plugin, "structured_outputs"):
+        llm = LLM(str(checkpoint), dtype="float32", quantization="none")
+        llm.engine.structured_outputs()
+    params = SamplingParams(temperature=0, max_tokens=12, so_args={"schema_type": "regex", "schema": "(yes|no)!"})
+    output = llm.generate(image_prompt(GENERATION[0]), params, use_tqdm=False)[0].outputs[0]
+    assert output.text in ("yes!", "no!")
+
+
+def test_images_with_speculative_decoding_are_refused(short, monkeypatch):
+    """The tiny vision checkpoint has no DSpark stages: any speculator stands in for one."""
+    monkeypatch.setattr(short.engine, "speculator", object())
+    with pytest.raises(ValueError, match=r"prompts\[0\] image 0: images are not supported with speculative"):
+        short.generate(image_prompt(GENERATION[0]), GREEDY, use_tqdm=False)
