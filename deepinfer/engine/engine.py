@@ -118,8 +118,8 @@ class LLMEngine:
         if not token_ids:
             raise ValueError(f"{name} is empty")
         if len(token_ids) >= self.max_model_len:
-            past = [str(j) for j, span in enumerate(images) if span.end >= self.max_model_len]
-            where = f" (image {', '.join(past)} reaching position {images[int(past[0])].end - 1})" if past else ""
+            past = [j for j, span in enumerate(images) if span.end >= self.max_model_len]
+            where = f" (image {past[0]} reaching position {images[past[0]].end - 1})" if past else ""
             raise ValueError(f"{name} has {len(token_ids)} tokens{where}, max_model_len is {self.max_model_len}")
         vocab = self.model_config.vocab_size
         bad = [(position, t) for position, t in enumerate(token_ids) if not 0 <= t < vocab]
