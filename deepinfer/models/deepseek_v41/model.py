@@ -10,7 +10,8 @@ Checkpoint layout (the released Hugging Face repository; these names are used as
   ``attn.indexer.{wk,k_norm}.weight``; index sources: ``attn.indexer.wq_b.{weight,scale}``,
   ``attn.indexer.weights_proj.weight``
 * ``layers.N.ffn.gate.{weight,bias,bias_vl}`` (image tokens pick experts by score + bias_vl),
-  ``ffn.shared_experts.w{1,2,3}`` FP8, ``ffn.experts.E.w{1,2,3}.{weight,scale}`` MXFP4 (int8, two e2m1 per byte, e8m0 scale per 32 inputs)
+  ``ffn.shared_experts.w{1,2,3}`` FP8, ``ffn.experts.E.w{1,2,3}.{weight,scale}`` MXFP4 (int8, two e2m1 per byte,
+  e8m0 scale per 32 inputs)
 * Engram layers: ``layers.N.engram.embed.{weight,scale}`` (FP8 rows, e8m0 per 32 channels),
   ``engram.wkv.{weight,scale}`` FP8, ``engram.{q_weight,k_weight}`` [hc_mult, hidden]
 * ``mtp.{0,1,2}.*``: the DSpark draft stages (not read here: ``dspark.py``, loaded by the features/mtp drafter)
