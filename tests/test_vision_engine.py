@@ -58,8 +58,9 @@ def image_prompt(gold: dict) -> dict:
                                                                                   gold["images"]]}}
 
 
-def greedy(llm, prompts) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+def greedy(llm, prompts, max_tokens: int = GREEDY.max_tokens) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @torch.inference_mode()
@@ -185,7 +186,7 @@ def test_bad_image_inputs_name_the_prompt_and_image_and_lose_nothing(short, imag
         short.generate([good, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], GREEDY,
                        use_tqdm=False)
     assert not short.engine.has_unfinished()
-    assert greedy(short, [good]) == [GENERATION[0]["greedy"]]
+    assert greedy(short, [good], 2) == [GENERATION[0]["greedy"][:2]]
 
 
 def test_images_for_a_text_only_model_are_refused():
@@ -198,15 +199,13 @@ def test_cli_generate_image(llm, checkpoint, capsys):
     from deepinfer.cli import main
 
     dot = FIXTURE / "dot_1x1.png"
-    main(["generate", "--model", str(checkpoint), "--dtype", "float32", "--quantization", "none", "--max-tokens", "8",
+    main(["generate", "--model", str(checkpoint), "--dtype", "float32", "--quantization", "none", "--max-tokens", "4",
           "--ignore-eos", "--json", "--image", str(dot), "hi"])
     printed = json.loads(capsys.readouterr().out.splitlines()[0])
-    expected = llm.generate({"prompt": f"{IMAGE_PLACEHOLDER}hi", "multi_modal_data": {"image": dot}}, GREEDY,
-                            use_tqdm=False)[0]
+    expected = greedy(llm, [{"prompt": f"{IMAGE_PLACEHOLDER}hi", "multi_modal_data": {"image": dot}}], 4)[0]
     assert printed["prompt"] == f"{IMAGE_PLACEHOLDER}hi"
-    assert printed["outputs"][0]["token_ids"] == expected.outputs[0].token_ids
-    text_only = llm.generate("hi", GREEDY, use_tqdm=False)[0]
-    assert text_only.outputs[0].token_ids != expected.outputs[0].token_ids  # the image was read
+    assert printed["outputs"][0]["token_ids"] == expected
+    assert greedy(llm, ["hi"], 4)[0] != expected  # the image was read
 
 
 def test_structured_outputs_hold_for_image_prompts(checkpoint):
