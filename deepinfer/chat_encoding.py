@@ -21,8 +21,11 @@ OpenAI-shaped tool definitions, chat and thinking modes and ``reasoning_effort``
 - Arguments given as a dict are taken as the JSON object they are (the release expects JSON text).
 - A developer message is a user turn the release's search agent uses; in thinking mode without tools, developer
   messages before the last user turn are left out.
-Not covered: ``response_format``, ``latest_reminder``, quick-instruction ``task`` tokens, content blocks (images),
-``wo_eos`` prefills and decoding the model's output.
+- Content given as OpenAI content parts (``split_content_images``): text parts as they are, each image part the
+  image placeholder ``<｜deepseek_image｜>``, parts joined by a blank line (as NeMo AutoModel's V4.1 processor
+  renders them).
+Not covered: ``response_format``, ``latest_reminder``, quick-instruction ``task`` tokens, ``wo_eos`` prefills and
+decoding the model's output.
 """
 
 from __future__ import annotations
@@ -73,6 +76,41 @@ Otherwise, output directly after {END_THINK} with tool calls or final response.
 
 You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
 """
+
+
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+
+
+def split_content_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """Messages whose ``content`` may be a list of OpenAI content parts (``{"type": "text", "text": ...}``,
+    ``{"type": "image_url", "image_url": {"url": ...}}``, ``{"type": "image", "image": ...}``) -> (the messages
+    with str content, each image a placeholder, and the images in prompt order: URLs, paths, bytes or PIL images,
+    as given). A placeholder written in text is refused: images must be parts of their own."""
+    converted, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
+            raise ValueError(f"messages[{i}]: {IMAGE_PLACEHOLDER} in text; give images as content parts")
+        if not isinstance(content, list):
+            converted.append(message)
+            continue
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                if IMAGE_PLACEHOLDER in part["text"]:
+                    raise ValueError(f"messages[{i}].content[{j}]: {IMAGE_PLACEHOLDER} in text; give images as "
+                                     "content parts")
+                texts.append(part["text"])
+            elif kind in ("image_url", "image") and part.get(kind) is not None:
+                source = part[kind]
+                images.append(source["url"] if isinstance(source, dict) and "url" in source else source)
+                texts.append(IMAGE_PLACEHOLDER)
+            else:
+                raise ValueError(f'messages[{i}].content[{j}] must be {{"type": "text", "text": str}} or '
+                                 f'{{"type": "image_url", "image_url": {{"url": ...}}}}; got {part!r:.80}')
+        converted.append({**message, "content": "\n\n".join(texts)})
+    return converted, images
 
 
 def encode_chat(messages: list[dict], thinking: bool = False, tools: list[dict] | None = None,

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from deepinfer.chat_encoding import encode_chat
+from deepinfer.chat_encoding import IMAGE_PLACEHOLDER, encode_chat, split_content_images
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.runtime.request import Request
@@ -20,7 +20,8 @@ from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.parallel import ranks as parallel
 from deepinfer.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+# text, token ids, or vLLM's prompt dict (``prompt`` or ``prompt_token_ids``, optional ``multi_modal_data``)
+Prompt = str | Sequence[int] | dict
 logger = init_logger(__name__)
 
 
@@ -132,10 +133,27 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, messages: list[dict], thinking: bool = False, tools: list[dict] | None = None,
-                    reasoning_effort: str | None = None) -> list[int]:
-        """A conversation's prompt token ids (the encoding carries its own BOS: none is added)."""
+                    reasoning_effort: str | None = None) -> list[int] | dict:
+        """A conversation's prompt token ids (the encoding carries its own BOS: none is added); with image content
+        parts, a prompt dict of those ids (one placeholder per image) and its ``multi_modal_data``."""
+        messages, images = split_content_images(messages)
         text = encode_chat(messages, thinking, tools=tools, reasoning_effort=reasoning_effort)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = self._tokenize(text, add_special_tokens=False)
+        return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}} if images else token_ids
+
+    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; for a model that reads images, each image placeholder is the image token
+        whatever the tokenizer makes of its text (the tiny test tokenizer has no such token)."""
+        image_token = getattr(self.engine.model_config, "image_token_id", None)
+        if image_token is None or IMAGE_PLACEHOLDER not in text:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        token_ids = []
+        for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+            if i:
+                token_ids.append(image_token)
+            if piece or (i == 0 and add_special_tokens):
+                token_ids += self.tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0)
+        return token_ids
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generates one completion of ``prompt``, yielding its text as it grows (pieces held back while they
@@ -168,21 +186,29 @@ class LLM:
                                  "text before min_tokens tokens, which min_tokens forbids")
             processor.validate(p.so_args)
 
-    def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """``(text, token ids)`` of ``prompts[index]``, refused (naming it) where the engine could not take it: checked
-        for every prompt before any is added, so a bad prompt leaves no earlier one queued in the engine."""
+    def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int], tuple]:
+        """``(text, token ids, images)`` of ``prompts[index]``, refused (naming it and any bad image) where the engine
+        could not take it: checked for every prompt before any is added, so a bad prompt leaves no earlier one
+        queued in the engine."""
+        name, sources = f"prompts[{index}]", ()
+        if isinstance(prompt, dict):
+            sources = _image_sources(prompt.get("multi_modal_data"), name)
+            prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            text, token_ids = prompt, self._tokenize(prompt)
         else:
             text, token_ids = None, list(prompt)
-        self.engine.check_prompt(token_ids, f"prompts[{index}]")
-        return text, token_ids
+        images = ()
+        if sources:
+            token_ids, images = self.engine.prepare_images(token_ids, sources, name)
+        self.engine.check_prompt(token_ids, name, images)
+        return text, token_ids, images
 
-    def submit(self, prompt: Prompt, params: SamplingParams,
-               encoded: tuple[str | None, list[int]] | None = None) -> list[Request]:
-        """Adds ``params.n`` requests for ``prompt`` to the engine (``encoded``: its text and token ids, already
-        checked) and returns them; the caller steps the engine (``generate``, ``stream``, ``deepinfer serve``)."""
-        text, token_ids = encoded or self._encode(0, prompt)
+    def submit(self, prompt: Prompt, params: SamplingParams, encoded: tuple | None = None) -> list[Request]:
+        """Adds ``params.n`` requests for ``prompt`` to the engine (``encoded``: its text, token ids and images,
+        already checked) and returns them; the caller steps the engine (``generate``, ``stream``, ``deepinfer
+        serve``)."""
+        text, token_ids, images = encoded or self._encode(0, prompt)
         request_id = str(self._next_id)
         self._next_id += 1
         group = []
@@ -194,6 +220,7 @@ class LLM:
                 prompt_token_ids=token_ids,
                 params=params,
                 eos_token_ids=tuple(self.engine.model_config.eos_token_id),
+                images=images,
             )
             request.metrics.num_prompt_tokens = len(token_ids)
             self.engine.add_request(request)
@@ -261,6 +288,9 @@ class LLM:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, dict):
+        _check_prompt_dict(0, prompts)
+        return [prompts]
     if isinstance(prompts, (bytes, bytearray)):
         raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those, got "
                          f"{type(prompts).__name__} (decode it first)")
@@ -269,15 +299,45 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
-            raise NotImplementedError(f"prompts[{i}] has multi_modal_data: image inputs are not supported yet "
-                                      "(DeepSeek-V4.1's vision tower is not implemented); pass text only")
-        if isinstance(prompt, str):
+        if isinstance(prompt, dict):
+            _check_prompt_dict(i, prompt)
+        elif isinstance(prompt, str):
             _check_text(i, prompt)
         elif not _is_token_ids(prompt):
             raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(prompt).__name__}"
                              + _first_non_int(prompt))
     return list(prompts)
+
+
+def _check_prompt_dict(index: int, prompt: dict) -> None:
+    """vLLM's prompt dicts: ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``, with optional
+    ``"multi_modal_data": {"image": image or [image, ...]}``."""
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"prompts[{index}] must be a dict with one of 'prompt' (str) and 'prompt_token_ids' (list "
+                         f"of ints), and optionally 'multi_modal_data'; got the keys {sorted(prompt)}")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompts[{index}]['prompt'] must be a str, got {type(prompt['prompt']).__name__}")
+        _check_text(index, prompt["prompt"])
+    elif not _is_token_ids(prompt["prompt_token_ids"]):
+        raise ValueError(f"prompts[{index}]['prompt_token_ids'] must be a list of token ids"
+                         + _first_non_int(prompt["prompt_token_ids"]))
+
+
+def _image_sources(data, name: str) -> list:
+    """The images of a prompt's ``multi_modal_data`` (one, or a list), in placeholder order."""
+    if data is None:
+        return []
+    if not isinstance(data, dict) or set(data) != {"image"}:
+        raise ValueError(f"{name}: multi_modal_data must be {{'image': image or [image, ...]}} (images only); got "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    images = data["image"]
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    for j, image in enumerate(images):
+        if image is None:
+            raise ValueError(f"{name} image {j} is None: give a PIL.Image, a path, bytes or a data: URL")
+    return images
 
 
 def _is_token_ids(prompt) -> bool:

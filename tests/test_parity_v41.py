@@ -143,13 +143,13 @@ def test_quantized_weight_without_scale_is_named(tmp_path):
 
 
 def test_image_inputs_are_refused_clearly(llm, tmp_path):
-    with pytest.raises(NotImplementedError, match="image inputs are not supported"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] image 0 is None"):
         llm.generate([{"prompt": "x", "multi_modal_data": {"image": None}}], use_tqdm=False)
     d = _config()
     d["image_token_id"] = 7  # the tiny vocabulary cannot hold the real id 129264
     shutil.copytree(FIXTURE, tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text(json.dumps(d))
-    with pytest.raises(NotImplementedError, match="image token 7"):
+    with pytest.raises(ValueError, match="image token 7 but no image was given"):
         LLM(str(tmp_path / "m"), dtype="float32", quantization="none").generate([[0, 7, 9]], use_tqdm=False)
 
 

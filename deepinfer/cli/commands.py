@@ -8,6 +8,7 @@ import os
 import sys
 
 from deepinfer import envs
+from deepinfer.chat_encoding import IMAGE_PLACEHOLDER
 from deepinfer.engine_flags import add_engine_arguments, engine_arguments
 
 
@@ -27,6 +28,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--stop", action="append", help="a stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument("--logprobs", type=int, help="top log-probabilities per token (with --json)")
+    parser.add_argument("--image", action="append", metavar="PATH",
+                        help="an image every prompt reads (repeatable; DeepSeek-V4.1): at the prompt's "
+                             f"{IMAGE_PLACEHOLDER} placeholders, one per image, or before its text if it has none")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt instead of the text")
     parser.set_defaults(run=run_generate)
 
@@ -46,6 +50,9 @@ def run_generate(args) -> None:
     from deepinfer import LLM, SamplingParams
 
     prompts = _prompts(args)
+    if args.image:
+        prompts = [{"prompt": p if IMAGE_PLACEHOLDER in p else IMAGE_PLACEHOLDER * len(args.image) + p,
+                    "multi_modal_data": {"image": list(args.image)}} for p in prompts]
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                             seq_seed=args.seq_seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)

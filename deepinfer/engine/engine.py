@@ -14,6 +14,7 @@ from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.loading.model_source import resolve_model_dir
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.overlapped_speculation import OverlappedSpeculation
+from deepinfer.runtime.images import ImageSpan, prepare_images
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
 from deepinfer.engine.steps import StepContext
@@ -87,7 +88,10 @@ class LLMEngine:
             raise ValueError("SWA bounded replay with context_parallel_size > 1 is not supported yet; unset "
                              "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
         self._step_contexts = setup.step_contexts(config, self.device)
-        built = setup.caches(config, self.model_config, self.model, self.max_model_len, self.device, attention)
+        # DeepSeek-V4.1's vision tower and its outputs by image (None: the checkpoint reads no images)
+        self.encoder_cache = setup.encoder_cache(config, self.model_config, model_dir, dtype, self.device)
+        built = setup.caches(config, self.model_config, self.model, self.max_model_len, self.device, attention,
+                             None if self.encoder_cache is None else self.encoder_cache.step_images)
         self.block_size, self.cache, self.blocks = built.block_size, built.cache, built.blocks
         self.scheduler, self.batch_builder = built.scheduler, built.batch_builder
         self.graphs = setup.decode_graphs(config, self.model, built, self.device, self.max_model_len,
@@ -107,26 +111,39 @@ class LLMEngine:
         self._structured = None  # the structured-outputs plugin, once a request asks for it
 
     # -- requests -----------------------------------------------------------------------------
-    def check_prompt(self, token_ids: list[int], name: str) -> None:
+    def check_prompt(self, token_ids: list[int], name: str, images: tuple[ImageSpan, ...] = ()) -> None:
         """Refuses (naming it ``name``) a prompt this engine cannot run: empty, no room left to generate, ids outside
-        the vocabulary, or image tokens. ``LLM`` asks before it adds any request, ``add_request`` for every one."""
+        the vocabulary, or image tokens without their images (``images``: the prompt's ``ImageSpan``s). ``LLM``
+        asks before it adds any request, ``add_request`` for every one."""
         if not token_ids:
             raise ValueError(f"{name} is empty")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"{name} has {len(token_ids)} tokens, max_model_len is {self.max_model_len}")
+            past = [j for j, span in enumerate(images) if span.end >= self.max_model_len]
+            where = f" (image {past[0]} reaching position {images[past[0]].end - 1})" if past else ""
+            raise ValueError(f"{name} has {len(token_ids)} tokens{where}, max_model_len is {self.max_model_len}")
         vocab = self.model_config.vocab_size
         bad = [(position, t) for position, t in enumerate(token_ids) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{name}: token ids outside the vocabulary [0, {vocab}) at (index, id) {bad[:5]}")
         image_token = getattr(self.model_config, "image_token_id", None)
-        if image_token is not None and image_token in token_ids:
-            raise NotImplementedError(
-                f"{name}: the prompt contains the image token {image_token}; image inputs are not supported yet "
-                "(DeepSeek-V4.1's vision tower is not implemented)"
-            )
+        if image_token is not None and not images and image_token in token_ids:
+            raise ValueError(f"{name}: the prompt contains the image token {image_token} but no image was given "
+                             "(pass one image per placeholder in multi_modal_data)")
+
+    def prepare_images(self, token_ids: list[int], sources: list, name: str) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """A prompt with one image-token placeholder per image in ``sources`` -> (its token ids with the image
+        spans in place, the spans); ValueError names ``name`` and the image."""
+        if self.encoder_cache is None:
+            raise ValueError(f"{name} image 0: {self.config.model} has no vision tower (config.json vision_config); "
+                             "it reads text only")
+        if self.speculator is not None or self.context is not None:
+            raise ValueError(f"{name} image 0: images are not supported with speculative decoding or "
+                             "context_parallel_size > 1 yet")
+        return prepare_images(token_ids, sources, self.model_config.vision_config, self.model_config.image_token_id,
+                              name)
 
     def add_request(self, request: Request) -> None:
-        self.check_prompt(request.prompt_token_ids, f"request {request.request_id}")
+        self.check_prompt(request.prompt_token_ids, f"request {request.request_id}", request.images)
         if self.truncation is not None:
             request.replay_start = self.truncation.replay_start(len(request.prompt_token_ids))
         if request.params.so_args is not None:  # validated by LLM.generate before any request was added
@@ -188,6 +205,8 @@ class LLMEngine:
                     "running": len(self.scheduler.running),
                     "waiting": len(self.scheduler.waiting),
                     "cache_usage": {kind: round(used, 4) for kind, used in self.blocks.usage().items()}}
+        if self.encoder_cache is not None:
+            counters |= {"encoder_cache_hits": self.encoder_cache.hits, "images_encoded": self.encoder_cache.misses}
         if self.speculator is not None:
             stats = self.speculator.stats
             counters |= {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,

@@ -124,7 +124,8 @@ class Scheduler:
 
     def _attach_cached_prefix(self, request: Request) -> None:
         size = self.blocks.block_size
-        hashes = self.blocks.block_hashes(request.token_ids, (len(request.token_ids) - 1) // size, request.block_hashes)
+        hashes = self.blocks.block_hashes(request.token_ids, (len(request.token_ids) - 1) // size, request.block_hashes,
+                                          request.images)
         request.num_computed = self.blocks.match_prefix(request.tables, hashes, len(request.token_ids) - 1)
         request.metrics.num_cached_tokens = request.num_computed
 
@@ -163,7 +164,7 @@ class Scheduler:
         num_full = request.num_computed // self.blocks.block_size
         # only a step that filled a block has one to offer: the others (most decode steps) skip the table walk
         if self.blocks.prefix_caching and num_full > start // self.blocks.block_size:
-            hashes = self.blocks.block_hashes(request.token_ids, num_full, request.block_hashes)
+            hashes = self.blocks.block_hashes(request.token_ids, num_full, request.block_hashes, request.images)
             # a replayed prefill's window rows are not what a full one computes (its decoder layers skipped the
             # rows before the replay start and saw windows cut there): they stay out of the prefix cache
             self.blocks.publish(request.tables, hashes, request.num_computed, windows=not request.replay_start)

@@ -9,11 +9,15 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from deepinfer.runtime.block_manager import BlockManager
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.encoder_cache import EncoderCache
+from deepinfer.loading.model_loader import load_vision_encoder
+from deepinfer.models.deepseek_v41.vision import VisionEncoder
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.forward_batch import ForwardBatchBuilder
 from deepinfer.runtime.kv_cache import KVCache, bytes_per_block
@@ -134,10 +138,24 @@ class Caches:
     batch_builder: ForwardBatchBuilder
 
 
+def encoder_cache(config: EngineConfig, model_config, model_dir, dtype: torch.dtype, device: torch.device
+                  ) -> EncoderCache | None:
+    """DeepSeek-V4.1's vision encoder on ``device`` and the cache of its outputs (room for the spans of 16 images
+    of the most tokens one may take); None for a checkpoint without a vision tower."""
+    vision = getattr(model_config, "vision_config", None)
+    if vision is None:
+        return None
+    if config.load_format == "dummy":
+        encoder = VisionEncoder(vision, model_config.hidden_size, dtype)
+    else:
+        encoder = load_vision_encoder(model_config, Path(model_dir), dtype)
+    return EncoderCache(encoder.to(device), device, 16 * vision.max_image_tokens)
+
+
 def caches(config: EngineConfig, model_config, model, max_model_len: int, device: torch.device,
-           attention: AttentionBackend) -> Caches:
+           attention: AttentionBackend, image_rows=None) -> Caches:
     """The paged caches sized from the configuration, their block manager, the scheduler over them, and the
-    step-input builder that addresses them."""
+    step-input builder that addresses them (``image_rows``: where it takes a step's image embeddings)."""
     c = config
     kinds = model.cache_kinds(kv_fp8=c.kv_cache_dtype == "fp8")
     overlaps = model.compressed_ratios()
@@ -168,7 +186,7 @@ def caches(config: EngineConfig, model_config, model, max_model_len: int, device
     rows = {k.name: cache.rows_per_block(k.name) for k in kinds}
     # the attention backend also derives padded steps' cache slots
     builder = ForwardBatchBuilder(model_config.window, overlaps, block_size, rows, device, model.token_history,
-                                  model.host_inputs, attention)
+                                  model.host_inputs, attention, image_rows)
     logger.info("cache: %d tokens of full-context state, block size %d, %.1f MiB", tokens, block_size,
                 cache.nbytes() / 2**20)
     return Caches(block_size, cache, manager, Scheduler(limits, manager), builder)

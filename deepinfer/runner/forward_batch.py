@@ -44,6 +44,20 @@ class CompressedMeta:
 
 
 @dataclass(slots=True)
+class ImageRows:
+    """The step's rows that hold image-span positions (``runtime/images.py``) and what they hold: the vision
+    encoder's embeddings, which replace the token embeddings there and mark the rows as image tokens."""
+
+    rows: torch.Tensor  # [N] step rows
+    embeddings: torch.Tensor  # [N, hidden]
+
+    def mask(self, num_rows: int) -> torch.Tensor:
+        """[num_rows] bool: which rows are image tokens."""
+        mask = torch.zeros(num_rows, dtype=torch.bool, device=self.rows.device)
+        return mask.index_fill_(0, self.rows, True)
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -57,6 +71,8 @@ class ForwardBatch:
     replay: DecoderReplay | None = None
     # context parallelism: this rank's share of the step's rows (``deepinfer.parallel.context_parallel``)
     context: object | None = None
+    # the step's image rows (a model with a vision tower; None: every row is text)
+    images: ImageRows | None = None
 
     def own_rows(self) -> "ForwardBatch":
         """Context parallelism: the step with its per-token inputs (ids, positions, what each token attends to,
@@ -103,7 +119,7 @@ class ForwardBatchBuilder:
     wherever they are."""
 
     def __init__(self, window: int, ratios: dict[int, int], block_size: int, rows_per_block: dict[str, int], device,
-                 token_history: int = 0, host_inputs=None, slot_backend=None):
+                 token_history: int = 0, host_inputs=None, slot_backend=None, image_rows=None):
         # window, block size, rows per block of each cache kind, and per compression ratio how many windows pool
         # each compressor-state row (2 for V4's CSA, 1 for HCA and V4.1's ratio 2, 0 where no state is kept)
         self.layout = SlotLayout(window, block_size, rows_per_block, ratios)
@@ -112,10 +128,15 @@ class ForwardBatchBuilder:
         self.device = device
         # an ``AttentionBackend``: it derives padded steps' slots (``padded_slots``); None: the torch reference
         self.slot_backend = slot_backend
+        # a ``ScheduledBatch`` -> its ``ImageRows`` or None (``EncoderCache.step_images``); None: a text-only model
+        self.image_rows = image_rows
 
     def build(self, scheduled: ScheduledBatch) -> ForwardBatch:
         inputs = self.inputs(scheduled)
-        return self.derive(inputs if self.device is None else inputs.to(self.device))
+        batch = self.derive(inputs if self.device is None else inputs.to(self.device))
+        if self.image_rows is not None:
+            batch.images = self.image_rows(scheduled)
+        return batch
 
     # -- host side ----------------------------------------------------------------------------
     def inputs(self, scheduled: ScheduledBatch, padded: PaddedShape | None = None,

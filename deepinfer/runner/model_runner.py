@@ -16,6 +16,7 @@ import torch
 from deepinfer.runner.cuda_graphs import DecodeGraphs, StepTail
 from deepinfer.runner.forward_batch import ForwardBatchBuilder
 from deepinfer.runner.grammar_masks import apply_grammar_masks
+from deepinfer.runtime.images import step_image_parts
 from deepinfer.runtime.kv_cache import KVCache
 from deepinfer.runtime.request import Request
 from deepinfer.runner.sampling_batch import build_sampling_batch
@@ -76,8 +77,9 @@ class ModelRunner:
         return ForwardOutput(logits, features, started)
 
     def replays(self, scheduled: ScheduledBatch) -> bool:
-        """Whether the step runs as a padded (CUDA-graph) step."""
-        return self.graphs is not None and self.graphs.fits(scheduled)
+        """Whether the step runs as a padded (CUDA-graph) step: never one with image rows (a short last prefill
+        chunk may fit a graph, which has no place for their embeddings)."""
+        return self.graphs is not None and self.graphs.fits(scheduled) and not step_image_parts(scheduled)
 
     def forward_with_tail(self, scheduled: ScheduledBatch, tail: StepTail, complete: Callable[[StepInputs], None],
                           values_on_device: bool) -> tuple[torch.Tensor, ...]:

@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from deepinfer.runtime.images import covered_digests
 from deepinfer.runtime.kv_cache import CacheKind
 
 FREED = -1
@@ -113,13 +114,16 @@ class BlockManager:
         tables.clear()
 
     # -- prefix cache -----------------------------------------------------------------------
-    def block_hashes(self, token_ids: list[int], num_blocks: int, known: list[bytes]) -> list[bytes]:
-        """Chained hashes of the first ``num_blocks`` full token blocks (extends ``known``)."""
+    def block_hashes(self, token_ids: list[int], num_blocks: int, known: list[bytes], images=()) -> list[bytes]:
+        """Chained hashes of the first ``num_blocks`` full token blocks (extends ``known``). A block holding part
+        of an image's span (``images``: ``ImageSpan``s) mixes in the image's digest: every image position has the
+        same token id, so only the digest tells two images apart."""
         size = self.block_size
         for j in range(len(known), num_blocks):
             parent = known[-1] if known else b""
             tokens = np.asarray(token_ids[j * size : (j + 1) * size], dtype=np.int64).tobytes()
-            known.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
+            pixels = covered_digests(images, j * size, (j + 1) * size) if images else b""
+            known.append(hashlib.blake2b(parent + tokens + pixels, digest_size=16).digest())
         return known
 
     def publish(self, tables, hashes: list[bytes], num_computed: int, windows: bool = True) -> None:

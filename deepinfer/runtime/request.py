@@ -33,6 +33,8 @@ class Request:
     # SWA bounded replay: the first position the window-only decoder layers compute (0: every position)
     replay_start: int = 0
     grammar: object = None  # structured outputs: the request's GrammarMatcher (plugins/interfaces.py)
+    # its images (``runtime/images.py``), kept to the end: a preempted request's recomputation encodes them again
+    images: tuple = ()
     status: Status = Status.WAITING
     tables: dict[str, list[int]] = field(default_factory=dict)
     block_hashes: list[bytes] = field(default_factory=list)

@@ -142,7 +142,7 @@ class EngineLoop:
             self._refuse(submission, exc)
             return
         text = submission.prompt if isinstance(submission.prompt, str) else None
-        submission.requests.extend(self.llm.submit(submission.prompt, params, encoded=(text, token_ids)))
+        submission.requests.extend(self.llm.submit(submission.prompt, params, encoded=(text, token_ids, ())))
         submission.shown = [(0, 0)] * params.n
         self._active.append(submission)
         submission.send(Admitted(len(token_ids)))

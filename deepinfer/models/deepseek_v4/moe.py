@@ -3,6 +3,8 @@ backend routes (``MoEBackend.route``) and runs the routed experts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -77,8 +79,17 @@ class MoE(nn.Module):
             torch.empty(0, self.top_k, dtype=torch.int64, device=device),
             torch.empty(0, self.top_k, device=device), self._expert_weights(), self.backend)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, image_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``image_mask`` [T] bool (a vision model's image tokens): those rows pick their experts by score +
+        ``gate.bias_vl`` (never by hash), as the release routes them; every row is routed both ways and the right
+        one kept, so any routing backend serves and the step needs no host sync."""
         ids, weights = self.route(x, token_ids)
+        if image_mask is not None:
+            vision = dataclasses.replace(self.router, bias=self.gate.bias_vl, tid2eid=None)
+            image_ids, image_weights = self.backend.route(x, token_ids, vision)
+            ids = torch.where(image_mask[:, None], image_ids, ids)
+            weights = torch.where(image_mask[:, None], image_weights, weights)
         if self.expert_parallel is None:
             routed = self.backend.routed_experts(x, ids, weights, self._expert_weights())
         else:

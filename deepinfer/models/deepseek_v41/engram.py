@@ -56,8 +56,11 @@ class NgramHasher:
 
     Not a module: moving the model to its device leaves these tensors where the tables are (``to``)."""
 
-    def __init__(self, config, tokenizer):
+    def __init__(self, config, tokenizer, blocked_id: int | None = None):
+        """``blocked_id``: a token id no n-gram reaches across (a vision model's image token), None: none."""
         import numpy as np
+
+        self.blocked_id = blocked_id
 
         mapping, size = normalised_vocabulary(tokenizer)
         if size != config.engram_compressed_vocab_size:
@@ -103,6 +106,8 @@ class NgramHasher:
     def __call__(self, token_ids: torch.Tensor, history: torch.Tensor, layer: int) -> torch.Tensor:
         """``token_ids`` [T]; ``history`` [T, N-1] the preceding ids, oldest first, -1 before the sequence start;
         ``layer`` the Engram layer's index among the Engram layers."""
+        if self.blocked_id is not None:  # an n-gram is padded from the first blocked token back, as from the start
+            history = history.masked_fill(history == self.blocked_id, -1)
         ids = torch.cat([token_ids.unsqueeze(1), history.flip(1)], dim=1)  # [T, N]: current, previous, ...
         started = (ids >= 0).cumprod(dim=1).bool()  # an n-gram reaching past position 0 is padded from there on
         tokens = torch.where(started, self.token_map[ids.clamp(min=0)], self.pad_id)

@@ -9,8 +9,9 @@ Checkpoint layout (the released Hugging Face repository; these names are used as
 * KV sources: ``attn.compressor.{wkv,wgate}.weight`` (fp32; ratio 1 has no ``wgate``), ``attn.compressor.norm.weight``,
   ``attn.indexer.{wk,k_norm}.weight``; index sources: ``attn.indexer.wq_b.{weight,scale}``,
   ``attn.indexer.weights_proj.weight``
-* ``layers.N.ffn.gate.{weight,bias,bias_vl}`` (bias_vl routes image tokens), ``ffn.shared_experts.w{1,2,3}`` FP8,
-  ``ffn.experts.E.w{1,2,3}.{weight,scale}`` MXFP4 (int8, two e2m1 per byte, e8m0 scale per 32 inputs)
+* ``layers.N.ffn.gate.{weight,bias,bias_vl}`` (image tokens pick experts by score + bias_vl),
+  ``ffn.shared_experts.w{1,2,3}`` FP8, ``ffn.experts.E.w{1,2,3}.{weight,scale}`` MXFP4 (int8, two e2m1 per byte,
+  e8m0 scale per 32 inputs)
 * Engram layers: ``layers.N.engram.embed.{weight,scale}`` (FP8 rows, e8m0 per 32 channels),
   ``engram.wkv.{weight,scale}`` FP8, ``engram.{q_weight,k_weight}`` [hc_mult, hidden]
 * ``mtp.{0,1,2}.*``: the DSpark draft stages (not read here: ``dspark.py``, loaded by the features/mtp drafter)
@@ -81,20 +82,23 @@ class Block(nn.Module):
         self.mhc = mhc
 
     def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection, features: list | None = None,
-                hasher: NgramHasher | None = None):
+                hasher: NgramHasher | None = None, image_mask: torch.Tensor | None = None):
+        """``image_mask`` [T] bool: the rows that are image tokens (None: none are)."""
         if self.engram is not None:
             i = self.engram.index
             if "engram_values" in batch.extras:  # gathered on the host
                 values, exponents = batch.extras["engram_values"][:, i], batch.extras["engram_exponents"][:, i]
             else:
                 values, exponents = self.engram.gather(hasher(batch.token_ids, batch.extras["engram_history"], i))
-            streams = self.engram(streams, values, exponents)
+            remembered = self.engram(streams, values, exponents)
+            # the release gates no memory into image tokens: their streams pass unchanged
+            streams = remembered if image_mask is None else torch.where(image_mask[:, None, None], streams, remembered)
         if features is not None:  # what a DSpark draft reads from this layer: its input, streams averaged
             features.append(streams.mean(dim=1))
         x, attn_pre, post, comb = self.hc_attn.enter(streams, pre, self.attn_norm)
         streams = self.mhc.expand(streams, self.attn(x, batch, phases, caches, selection), post, comb)
         x, ffn_pre, post, comb = self.hc_ffn.enter(streams, attn_pre, self.ffn_norm)
-        return self.mhc.expand(streams, self.ffn(x, batch.token_ids), post, comb), ffn_pre
+        return self.mhc.expand(streams, self.ffn(x, batch.token_ids, image_mask), post, comb), ffn_pre
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -119,7 +123,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         if c.engram_layer_ids:
             if tokenizer is None:
                 raise ValueError("DeepSeek-V4.1's Engram layers hash normalised token ids and need the tokenizer")
-            self.ngram_hasher = NgramHasher(c, tokenizer)
+            # an n-gram stops at an image token (the release hashes no image position), known by its id
+            self.ngram_hasher = NgramHasher(c, tokenizer, c.image_token_id if c.vision_config else None)
         else:
             self.ngram_hasher = None
         # the first window-only decoder layer: every layer after the last KV source keeps only its sliding window
@@ -212,6 +217,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             meta.close_phases = self.rotary_compress.phases(meta.close_positions)
         batch = own = batch.own_rows()  # context parallelism: this rank's tokens (otherwise all of them)
         x = self.embed(batch.token_ids)
+        image_mask = None
+        if batch.images is not None:  # image spans hold the vision encoder's embeddings, not their token's
+            x = x.index_copy(0, batch.images.rows, batch.images.embeddings.to(x.dtype))
+            image_mask = batch.images.mask(x.shape[0])
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         pre = torch.zeros(x.shape[0], self.config.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1  # the first sublayer reads stream 0, the embedding
@@ -232,9 +241,10 @@ class DeepseekV41ForCausalLM(nn.Module):
                 streams, pre = streams[rows], pre[rows]
                 phases = {rotary: p[rows] for rotary, p in phases.items()}
                 selection = Selection(*(None if t is None else t[rows] for t in (selection.slots, selection.candidates)))
+                image_mask = None if image_mask is None else image_mask[rows]
             wanted = features if i in self.feature_layers else None
             streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, wanted,
-                                 self.ngram_hasher)
+                                 self.ngram_hasher, image_mask)
         hidden = self.mhc.collapse(streams, pre)
         if replay is not None:  # back in step order; rows the decoder skipped stay zero (they need no logits)
             hidden = scatter_rows(hidden, replay.rows, x.shape[0])
