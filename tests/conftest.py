@@ -83,6 +83,17 @@ def install(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_checkpoint(tmp_path_factory):
+    """``make_tiny --arch v41 --vision``'s checkpoint (the one tools/goldens/v41_vision_golden.py made the goldens of
+    tests/fixtures/v41_vision from), built once per run."""
+    from deepinfer.testing import make_tiny
+
+    out = tmp_path_factory.mktemp("tiny_vision")
+    make_tiny.main([str(out), "--arch", "v41", "--vision"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_v4_checkpoint(tmp_path_factory):
     """A tiny random DeepSeek-V4 checkpoint written by HF transformers (built once per run)."""
     from deepinfer.testing.tiny_v4 import build_tiny_v4

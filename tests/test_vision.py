@@ -35,15 +35,8 @@ IDS = [image["file"] for image in IMAGES]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny_vision")
-    make_tiny.main([str(out), "--arch", "v41", "--vision"])
-    return out
-
-
-@pytest.fixture(scope="module")
-def encoder(checkpoint) -> VisionEncoder:
-    return load_vision_encoder(model_config(checkpoint), checkpoint, torch.float32)
+def encoder(tiny_vision_checkpoint) -> VisionEncoder:
+    return load_vision_encoder(model_config(tiny_vision_checkpoint), tiny_vision_checkpoint, torch.float32)
 
 
 def test_golden_was_made_from_make_tinys_vision_config():
@@ -153,15 +146,15 @@ def test_vision_weight_problems_are_all_named(encoder):
     assert "unexpected vision.blocks.9.norm1.weight" in message
 
 
-def test_text_model_skips_the_vision_tensors(checkpoint):
-    config = model_config(checkpoint)
+def test_text_model_skips_the_vision_tensors(tiny_vision_checkpoint):
+    config = model_config(tiny_vision_checkpoint)
     assert config.vision_config == CONFIG and config.image_token_id == TINY_V41["vocab_size"] - 1
     naming = checkpoint_naming(config)
     assert naming.canonical("vision.norm.weight") is None and naming.canonical("model.image_start") is None
     assert naming.canonical("layers.0.attn_norm.weight") == "layers.0.attn_norm.weight"
     expected = {"embed.weight": ((TINY_V41["vocab_size"], TINY_V41["hidden_size"]), torch.float32)}
     with pytest.raises(ValueError) as error:  # only what the text model lacks is reported, no vision tensor
-        plan_load(checkpoint, expected, naming=naming)
+        plan_load(tiny_vision_checkpoint, expected, naming=naming)
     assert "vision." not in str(error.value) and "image_start" not in str(error.value)
 
 
@@ -245,9 +238,9 @@ def test_empty_images_are_refused():
         load_image(Image.new("RGB", (0, 5)))
 
 
-def test_the_text_engine_serves_a_checkpoint_with_a_vision_tower(checkpoint):
+def test_the_text_engine_serves_a_checkpoint_with_a_vision_tower(tiny_vision_checkpoint):
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(str(checkpoint), dtype="float32")
+    llm = LLM(str(tiny_vision_checkpoint), dtype="float32")
     out = llm.generate([[0, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -20,7 +20,6 @@ from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.chat_encoding import IMAGE_PLACEHOLDER, encode_chat  # noqa: E402
 from deepinfer.runtime.request import Request  # noqa: E402
 from deepinfer.runtime.scheduled import ScheduledBatch, ScheduledRequest  # noqa: E402
-from deepinfer.testing import make_tiny  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v41_vision"
 GENERATION = torch.load(FIXTURE / "golden.pt", weights_only=True)["generation"]
@@ -31,26 +30,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=len(GENERATION[0]["greedy"]), 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny_vision")
-    make_tiny.main([str(out), "--arch", "v41", "--vision"])
-    return out
+def llm(tiny_vision_checkpoint):
+    return LLM(str(tiny_vision_checkpoint), dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoint):
-    return LLM(str(checkpoint), dtype="float32", quantization="none")
-
-
-@pytest.fixture(scope="module")
-def small_steps(checkpoint):
+def small_steps(tiny_vision_checkpoint):
     """Blocks of 8 tokens, steps of at most 16: every image span is split across prefill chunks and blocks."""
-    return LLM(str(checkpoint), dtype="float32", quantization="none", block_size=8, max_num_batched_tokens=16)
+    return LLM(str(tiny_vision_checkpoint), dtype="float32", quantization="none", block_size=8, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
-def short(checkpoint):
-    return LLM(str(checkpoint), dtype="float32", quantization="none", max_model_len=64)
+def short(tiny_vision_checkpoint):
+    return LLM(str(tiny_vision_checkpoint), dtype="float32", quantization="none", max_model_len=64)
 
 
 def image_prompt(gold: dict) -> dict:
@@ -127,8 +119,8 @@ def test_chunked_prefill_splitting_images_and_prefix_cache_by_image(small_steps)
     assert encoded[1] == encoded[0] and encoded[2] == encoded[0] + 1  # the same image is encoded once
 
 
-def test_preempted_requests_recompute_their_images(checkpoint):
-    tight = LLM(str(checkpoint), dtype="float32", quantization="none", block_size=8, num_cache_tokens=96,
+def test_preempted_requests_recompute_their_images(tiny_vision_checkpoint):
+    tight = LLM(str(tiny_vision_checkpoint), dtype="float32", quantization="none", block_size=8, num_cache_tokens=96,
                 enable_prefix_caching=False)
     assert greedy(tight, [image_prompt(g) for g in GENERATION]) == [g["greedy"] for g in GENERATION]
     assert tight.engine.counters()["preemptions"] > 0
@@ -195,11 +187,11 @@ def test_images_for_a_text_only_model_are_refused():
         text_only.generate({"prompt": "x", "multi_modal_data": {"image": FIXTURE / "dot_1x1.png"}}, use_tqdm=False)
 
 
-def test_cli_generate_image(llm, checkpoint, capsys):
+def test_cli_generate_image(llm, tiny_vision_checkpoint, capsys):
     from deepinfer.cli import main
 
     dot = FIXTURE / "dot_1x1.png"
-    main(["generate", "--model", str(checkpoint), "--dtype", "float32", "--quantization", "none", "--max-tokens", "4",
+    main(["generate", "--model", str(tiny_vision_checkpoint), "--dtype", "float32", "--quantization", "none", "--max-tokens", "4",
           "--ignore-eos", "--json", "--image", str(dot), "hi"])
     printed = json.loads(capsys.readouterr().out.splitlines()[0])
     expected = greedy(llm, [{"prompt": f"{IMAGE_PLACEHOLDER}hi", "multi_modal_data": {"image": dot}}], 4)[0]
@@ -208,13 +200,13 @@ def test_cli_generate_image(llm, checkpoint, capsys):
     assert greedy(llm, ["hi"], 4)[0] != expected  # the image was read
 
 
-def test_structured_outputs_hold_for_image_prompts(checkpoint):
+def test_structured_outputs_hold_for_image_prompts(tiny_vision_checkpoint):
     plugin = pytest.importorskip("deepinfer_structured_outputs.plugin", reason="features/structured_outputs is not "
                                  "installed (build.sh installs it)")
     from deepinfer.plugins.manager import registered
 
     with registered(plugin, "structured_outputs"):
-        llm = LLM(str(checkpoint), dtype="float32", quantization="none")
+        llm = LLM(str(tiny_vision_checkpoint), dtype="float32", quantization="none")
         llm.engine.structured_outputs()
     params = SamplingParams(temperature=0, max_tokens=12, so_args={"schema_type": "regex", "schema": "(yes|no)!"})
     output = llm.generate(image_prompt(GENERATION[0]), params, use_tqdm=False)[0].outputs[0]
@@ -222,7 +214,7 @@ def test_structured_outputs_hold_for_image_prompts(checkpoint):
 
 
 def test_images_with_speculative_decoding_are_refused(short, monkeypatch):
-    """The tiny vision checkpoint has no DSpark stages: any speculator stands in for one."""
+    """The tiny vision tiny_vision_checkpoint has no DSpark stages: any speculator stands in for one."""
     monkeypatch.setattr(short.engine, "speculator", object())
     with pytest.raises(ValueError, match=r"prompts\[0\] image 0: images are not supported with speculative"):
         short.generate(image_prompt(GENERATION[0]), GREEDY, use_tqdm=False)
