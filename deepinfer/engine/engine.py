@@ -14,7 +14,8 @@ from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.loading.model_source import resolve_model_dir
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.overlapped_speculation import OverlappedSpeculation
-from deepinfer.runtime.images import ImageSpan, prepare_images
+from deepinfer.engine.image_inputs import prepare_images
+from deepinfer.runtime.images import ImageSpan
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
 from deepinfer.engine.steps import StepContext

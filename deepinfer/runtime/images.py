@@ -1,6 +1,6 @@
 """A request's images as the engine carries them: where each image's span lies in the prompt and what fills it.
 
-An image is preprocessed once, when its request is checked (``prepare_images``); its patches stay with the
+An image is preprocessed once, when its request is checked (``engine/image_inputs.py``); its patches stay with the
 request, so a preempted request re-encodes them if the encoder cache dropped their embeddings. Each image is named
 by a digest of its patches and grid: equal images share embeddings (``engine/encoder_cache.py``) and prefix-cache
 blocks (``BlockManager.block_hashes``); different ones never do, although their token ids are the same.
@@ -8,14 +8,12 @@ blocks (``BlockManager.block_hashes``); different ones never do, although their 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from deepinfer.models.deepseek_v41.image_processing import (
-    IMAGE_START, ProcessedImage, expand_image_placeholders, preprocess_image)
+if TYPE_CHECKING:  # the model's preprocessing is above this folder (models import runtime)
+    from deepinfer.models.deepseek_v41.image_processing import ProcessedImage
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -23,7 +21,7 @@ class ImageSpan:
     """One image of a request: its span is prompt positions ``start`` to ``end - 1``."""
 
     start: int
-    image: ProcessedImage
+    image: "ProcessedImage"
     digest: bytes
 
     @property
@@ -33,30 +31,6 @@ class ImageSpan:
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-
-def image_digest(image: ProcessedImage) -> bytes:
-    grid = image.grid
-    shape = torch.tensor([grid.rows, grid.cols, grid.token_rows, grid.token_cols]).numpy().tobytes()
-    return hashlib.blake2b(shape + image.patches.view(torch.int16).numpy().tobytes(), digest_size=16).digest()
-
-
-def prepare_images(token_ids: Sequence[int], sources: Sequence, vision_config, image_token_id: int, name: str
-                   ) -> tuple[list[int], tuple[ImageSpan, ...]]:
-    """A prompt's token ids with one ``image_token_id`` placeholder per image -> (the ids with every placeholder
-    expanded to its image's span, the spans in prompt order). ValueError names ``name`` and the image's index."""
-    processed = []
-    for index, source in enumerate(sources):
-        try:
-            processed.append(preprocess_image(source, vision_config))
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"{name} image {index}: {error}") from None
-    try:
-        ids, types = expand_image_placeholders(token_ids, image_token_id, [p.grid for p in processed])
-    except ValueError as error:
-        raise ValueError(f"{name}: {error}") from None
-    starts = [position for position, kind in enumerate(types) if kind == IMAGE_START]
-    return ids, tuple(ImageSpan(start, p, image_digest(p)) for start, p in zip(starts, processed))
 
 
 def covered_digests(images: Sequence[ImageSpan], begin: int, end: int) -> bytes:
