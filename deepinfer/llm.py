@@ -138,10 +138,10 @@ class LLM:
         parts, a prompt dict of those ids (one placeholder per image) and its ``multi_modal_data``."""
         messages, images = split_content_images(messages)
         text = encode_chat(messages, thinking, tools=tools, reasoning_effort=reasoning_effort)
-        token_ids = self._tokenize(text, add_special_tokens=False)
+        token_ids = self.tokenize(text, add_special_tokens=False)
         return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}} if images else token_ids
 
-    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; for a model that reads images, each image placeholder is the image token
         whatever the tokenizer makes of its text (the tiny test tokenizer has no such token)."""
         image_token = getattr(self.engine.model_config, "image_token_id", None)
@@ -195,7 +195,7 @@ class LLM:
             sources = _image_sources(prompt.get("multi_modal_data"), name)
             prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         if isinstance(prompt, str):
-            text, token_ids = prompt, self._tokenize(prompt)
+            text, token_ids = prompt, self.tokenize(prompt)
         else:
             text, token_ids = None, list(prompt)
         images = ()

@@ -76,8 +76,9 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
     async def chat(body: ChatRequest, http: HTTPRequest):
         _check_model(body.model, model_name)
         tools = body.tool_definitions()
+        messages, images = body.conversation()
         try:
-            text = encode_chat(body.conversation(), body.thinking, tools=tools, reasoning_effort=body.reasoning_effort)
+            text = encode_chat(messages, body.thinking, tools=tools, reasoning_effort=body.reasoning_effort)
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
         so_args, constrained_by = body.constraint(tools)
@@ -85,7 +86,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         params = body.sampling_params(1 if limit is None else limit, so_args)
         events: asyncio.Queue = asyncio.Queue()
         run = await _start(loop, [Submission(text, params, fill_max_tokens=limit is None, name="messages",
-                                             add_special_tokens=False, constrained_by=constrained_by,
+                                             add_special_tokens=False, constrained_by=constrained_by, images=images,
                                              events=events)], events)
         response = Chat(body, model_name, run, tools=tools)
         return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)

@@ -49,6 +49,7 @@ class Submission:
     add_special_tokens: bool = True  # False for a chat encoding, which carries its own BOS (as LLM.chat_prompt)
     name: str = "prompt"
     constrained_by: str = "response_format"  # the HTTP field its params' so_args come from: refusals name it
+    images: list = field(default_factory=list)  # a chat's image parts (URLs, data: URLs), one placeholder each
     index: int = 0  # which of its HTTP request's prompts: events go out as (index, event), queues may be shared
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
@@ -137,24 +138,28 @@ class EngineLoop:
 
     def _admit(self, submission: Submission) -> None:
         try:
-            token_ids, params = self._checked(submission)
+            token_ids, images, params = self._checked(submission)
         except APIError as exc:
             self._refuse(submission, exc)
             return
         text = submission.prompt if isinstance(submission.prompt, str) else None
-        submission.requests.extend(self.llm.submit(submission.prompt, params, encoded=(text, token_ids, ())))
+        submission.requests.extend(self.llm.submit(submission.prompt, params, encoded=(text, token_ids, images)))
         submission.shown = [(0, 0)] * params.n
         self._active.append(submission)
         submission.send(Admitted(len(token_ids)))
 
-    def _checked(self, submission: Submission) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the params to run, or an ``APIError`` naming what the engine refuses. Each
-        check's refusal is mapped to its own field here, where it is known which check failed."""
+    def _checked(self, submission: Submission) -> tuple[list[int], tuple, SamplingParams]:
+        """The prompt's token ids (image spans expanded), its images and the params to run, or an ``APIError``
+        naming what the engine refuses. Each check's refusal is mapped to its own field here, where it is known
+        which check failed."""
         try:
-            token_ids = (self.llm.tokenizer.encode(submission.prompt, add_special_tokens=submission.add_special_tokens)
+            token_ids = (self.llm.tokenize(submission.prompt, add_special_tokens=submission.add_special_tokens)
                          if isinstance(submission.prompt, str) else list(submission.prompt))
-            self.engine.check_prompt(token_ids, submission.name)
-        except (ValueError, NotImplementedError) as exc:  # check_prompt's messages open with submission.name
+            images = ()
+            if submission.images:
+                token_ids, images = self.engine.prepare_images(token_ids, submission.images, submission.name)
+            self.engine.check_prompt(token_ids, submission.name, images)
+        except (ValueError, NotImplementedError) as exc:  # the messages open with submission.name
             raise invalid(str(exc)) from None
         params = submission.params
         try:
@@ -171,7 +176,7 @@ class EngineLoop:
                 self.engine.structured_outputs().validate(params.so_args)
             except (ValueError, NotImplementedError) as exc:
                 raise invalid(str(exc), field) from None
-        return token_ids, params
+        return token_ids, images, params
 
     def _refuse(self, submission: Submission, error: APIError) -> None:
         with self._lock:

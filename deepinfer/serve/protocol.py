@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from deepinfer.chat_encoding import split_content_images
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serve.errors import invalid, unsupported
 from deepinfer.serve.tool_grammar import ToolSchemaError, forced_call_grammar
@@ -216,23 +217,16 @@ class ChatRequest(_Sampling):
             raise invalid(str(exc), exc.where) from None
         return {"schema_type": "ebnf", "schema": grammar}, "tool_choice"
 
-    def conversation(self) -> list[dict]:
-        """The messages, with OpenAI's content parts joined into text (only text parts exist for this model)."""
-        messages = []
+    def conversation(self) -> tuple[list[dict], list]:
+        """The messages with OpenAI's content parts rendered as ``LLM.chat`` renders them (text parts joined by a
+        blank line, each image part a placeholder), and the images in prompt order."""
         for i, message in enumerate(self.messages):
             if not isinstance(message, dict):
                 raise invalid(f"messages[{i}] must be an object", f"messages[{i}]")
-            content = message.get("content")
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise invalid(f"messages[{i}].content[{j}]: only text parts are supported (DeepSeek-V4 "
-                                      "takes no images here)", f"messages[{i}].content[{j}]")
-                    texts.append(part["text"])
-                message = {**message, "content": "".join(texts)}
-            messages.append(message)
-        return messages
+        try:
+            return split_content_images(self.messages)
+        except ValueError as exc:
+            raise invalid(str(exc), "messages") from None
 
     def completion_limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
