@@ -242,6 +242,13 @@ def _arguments(call, where: str) -> dict:
     return arguments
 
 
+# The tool-call block's tags, as the encoder writes them: the server parses them (serve/tool_calls.py) and forces
+# them by a grammar (serve/tool_grammar.py)
+TOOL_CALLS_TAG, TOOL_CALLS_END_TAG = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
+INVOKE_END_TAG, PARAMETER_END_TAG = f"</{DSML}invoke>", f"</{DSML}parameter>"
+TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE = f"\n\n{TOOL_CALLS_TAG}\n", f"\n{TOOL_CALLS_END_TAG}"  # the block with its breaks
+
+
 def _dsml(calls: list[dict] | None) -> str:
     """Tool calls as the DSML block that follows an assistant's answer ('' without calls)."""
     if not calls:
@@ -250,8 +257,7 @@ def _dsml(calls: list[dict] | None) -> str:
     for call in calls:
         parameters = "\n".join(
             f'<{DSML}parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
-            f'{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}</{DSML}parameter>'
+            f'{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}{PARAMETER_END_TAG}'
             for key, value in _arguments(call, "a tool call").items())
-        invokes.append(f'<{DSML}invoke name="{call["function"]["name"]}">\n{parameters}\n</{DSML}invoke>')
-    joined = "\n".join(invokes)
-    return f"\n\n<{DSML}tool_calls>\n{joined}\n</{DSML}tool_calls>"
+        invokes.append(f'<{DSML}invoke name="{call["function"]["name"]}">\n{parameters}\n{INVOKE_END_TAG}')
+    return TOOL_CALLS_OPEN + "\n".join(invokes) + TOOL_CALLS_CLOSE

@@ -25,9 +25,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from deepinfer.chat_encoding import DSML
+from deepinfer.chat_encoding import DSML, TOOL_CALLS_END_TAG, TOOL_CALLS_TAG
 
-BLOCK_OPEN, BLOCK_CLOSE = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
 _INVOKE = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>', re.S)
 _PARAMETER = re.compile(rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>', re.S)
 
@@ -51,17 +50,17 @@ class ToolCall:
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """``(content, calls)``; ``calls`` is empty (and ``content`` is ``text``) unless ``text`` holds one well-formed
     DSML block. Text after the block's end is kept, appended to the content."""
-    start = text.find(BLOCK_OPEN)
+    start = text.find(TOOL_CALLS_TAG)
     if start < 0:
         return text, []
-    end = text.find(BLOCK_CLOSE, start)
+    end = text.find(TOOL_CALLS_END_TAG, start)
     if end < 0:
         return text, []
-    calls = _invokes(text[start + len(BLOCK_OPEN):end])
+    calls = _invokes(text[start + len(TOOL_CALLS_TAG):end])
     if not calls:
         return text, []
     # the encoder puts a blank line before the block: it belongs to the format, not to the answer
-    content = text[:start].rstrip("\n") + text[end + len(BLOCK_CLOSE):]
+    content = text[:start].rstrip("\n") + text[end + len(TOOL_CALLS_END_TAG):]
     return content, calls
 
 
@@ -106,11 +105,11 @@ def _parameters(body: str) -> dict | None:
 def held_back(text: str) -> int:
     """Where a stream must stop sending content: the start of a DSML block, or of a tail that may still grow into
     one (``len(text)`` when neither). What follows is parsed once the sample ends."""
-    cut = text.find(BLOCK_OPEN)
+    cut = text.find(TOOL_CALLS_TAG)
     if cut < 0:
         cut = len(text)
-        for keep in range(min(len(BLOCK_OPEN) - 1, len(text)), 0, -1):
-            if text.endswith(BLOCK_OPEN[:keep]):
+        for keep in range(min(len(TOOL_CALLS_TAG) - 1, len(text)), 0, -1):
+            if text.endswith(TOOL_CALLS_TAG[:keep]):
                 cut -= keep
                 break
     # the newlines before a block are dropped with it (parse_tool_calls): they wait until it is known not to come
@@ -121,7 +120,7 @@ def call_errors(content: str, calls: list[ToolCall], tools: list[dict]) -> list[
     """``[{"index", "id", "name", "message"}]`` for each call the client should not run as is, and one entry
     without index, id or name for a block left in ``content`` because it did not parse (or was cut short)."""
     if not calls:
-        if BLOCK_OPEN not in content:
+        if TOOL_CALLS_TAG not in content:
             return []
         return [{"message": "the answer holds a DSML tool-call block that does not parse (malformed, or cut short "
                             "by max_tokens): it is returned as content, not as tool_calls"}]

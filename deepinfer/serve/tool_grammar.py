@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 
-from deepinfer.chat_encoding import DSML, END_THINK
+from deepinfer.chat_encoding import (DSML, END_THINK, INVOKE_END_TAG, PARAMETER_END_TAG, TOOL_CALLS_CLOSE,
+                                      TOOL_CALLS_OPEN)
 
 # what a value's grammar follows; annotations (title, description, ...) only describe
 _ENFORCED = {"type", "enum", "const", "properties", "required", "additionalProperties", "items", "anyOf"}
@@ -45,8 +46,6 @@ class ToolSchemaError(ValueError):
         self.where = where
 
 
-BLOCK_OPEN, BLOCK_CLOSE = f"\n\n<{DSML}tool_calls>\n", f"\n</{DSML}tool_calls>"  # as _dsml writes them
-INVOKE_CLOSE, PARAMETER_CLOSE = f"</{DSML}invoke>", f"</{DSML}parameter>\n"
 
 
 def forced_call_grammar(tools: list[dict], name: str | None, thinking: bool) -> str:
@@ -57,7 +56,7 @@ def forced_call_grammar(tools: list[dict], name: str | None, thinking: bool) -> 
     invokes = [grammar.invoke(tool["function"], f"tools[{i}].function.parameters") for i, tool in chosen]
     grammar.add("invoke", " | ".join(invokes))
     calls = "invoke" if name is not None else 'invoke ("\\n" invoke)*'
-    block = f"{_literal(BLOCK_OPEN)} {calls} {_literal(BLOCK_CLOSE)}"
+    block = f"{_literal(TOOL_CALLS_OPEN)} {calls} {_literal(TOOL_CALLS_CLOSE)}"
     # reasoning holds no "</": the first one it meets is </think>'s
     grammar.add("root", f"raw_text {_literal(END_THINK)} {block}" if thinking else block)
     return grammar.text()
@@ -94,7 +93,7 @@ class _Grammar:
         # without parameters gets the encoder's empty line
         parameters = " ".join(line if required else f"({line})?" for line, required in lines) or '"\\n"'
         head = _literal(f'<{DSML}invoke name="{function["name"]}">\n')
-        return self.add(self.fresh("invoke"), f"{head} {parameters} {_literal(INVOKE_CLOSE)}")
+        return self.add(self.fresh("invoke"), f"{head} {parameters} {_literal(INVOKE_END_TAG)}")
 
     def _parameter(self, key: str, schema: object, where: str) -> str:
         """One ``<parameter>`` line: a plain string as is, anything else as JSON."""
@@ -107,7 +106,8 @@ class _Grammar:
             opening = f'<{DSML}parameter name="{key}" string="true">'
         else:
             opening, value = f'<{DSML}parameter name="{key}" string="false">', self.value(schema, where)
-        return f"{_literal(opening)} {value} {_literal(PARAMETER_CLOSE)}"
+        closing = _literal(PARAMETER_END_TAG + "\n")  # the encoder breaks the line after each parameter
+        return f"{_literal(opening)} {value} {closing}"
 
     def value(self, schema: object, where: str) -> str:
         """A rule for the JSON values ``schema`` allows."""
