@@ -79,7 +79,9 @@ class ModelRunner:
     def replays(self, scheduled: ScheduledBatch) -> bool:
         """Whether the step runs as a padded (CUDA-graph) step: never one with image rows (a short last prefill
         chunk may fit a graph, which has no place for their embeddings)."""
-        return self.graphs is not None and self.graphs.fits(scheduled) and not step_image_parts(scheduled)
+        if self.graphs is None or not self.graphs.fits(scheduled):
+            return False
+        return self.batch_builder.image_rows is None or not step_image_parts(scheduled)  # text-only: never asked
 
     def forward_with_tail(self, scheduled: ScheduledBatch, tail: StepTail, complete: Callable[[StepInputs], None],
                           values_on_device: bool) -> tuple[torch.Tensor, ...]:
