@@ -103,14 +103,19 @@ class NgramHasher:
             setattr(self, name, getattr(self, name).to(device))
         return self
 
-    def __call__(self, token_ids: torch.Tensor, history: torch.Tensor, layer: int) -> torch.Tensor:
-        """``token_ids`` [T]; ``history`` [T, N-1] the preceding ids, oldest first, -1 before the sequence start;
-        ``layer`` the Engram layer's index among the Engram layers."""
+    def ngrams(self, token_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """The step's n-grams [T, N] in normalised ids (current token first, padded where one reaches past the
+        sequence start or an image token), which every Engram layer hashes: made once a step. ``token_ids`` [T];
+        ``history`` [T, N-1] the preceding ids, oldest first, -1 before the sequence start."""
         if self.blocked_id is not None:  # an n-gram is padded from the first blocked token back, as from the start
             history = history.masked_fill(history == self.blocked_id, -1)
         ids = torch.cat([token_ids.unsqueeze(1), history.flip(1)], dim=1)  # [T, N]: current, previous, ...
         started = (ids >= 0).cumprod(dim=1).bool()  # an n-gram reaching past position 0 is padded from there on
-        tokens = torch.where(started, self.token_map[ids.clamp(min=0)], self.pad_id)
+        return torch.where(started, self.token_map[ids.clamp(min=0)], self.pad_id)
+
+    def __call__(self, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+        """Table rows of ``ngrams``' output ``tokens`` for ``layer``, the Engram layer's index among the Engram
+        layers."""
         products = tokens * self.multipliers[layer]  # [T, N], wrapping as int64 does on every device
         rolling, rows = products[:, 0], []
         for length in range(1, self.order):

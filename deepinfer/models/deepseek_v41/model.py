@@ -82,14 +82,15 @@ class Block(nn.Module):
         self.mhc = mhc
 
     def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection, features: list | None = None,
-                hasher: NgramHasher | None = None, image_mask: torch.Tensor | None = None):
-        """``image_mask`` [T] bool: the rows that are image tokens (None: none are)."""
+                engram_rows: torch.Tensor | None = None, image_mask: torch.Tensor | None = None):
+        """``engram_rows``: this layer's Engram table rows (``NgramHasher``), unless the step gathered its values on
+        the host; ``image_mask`` [T] bool: the rows that are image tokens (None: none are)."""
         if self.engram is not None:
             i = self.engram.index
             if "engram_values" in batch.extras:  # gathered on the host
                 values, exponents = batch.extras["engram_values"][:, i], batch.extras["engram_exponents"][:, i]
             else:
-                values, exponents = self.engram.gather(hasher(batch.token_ids, batch.extras["engram_history"], i))
+                values, exponents = self.engram.gather(engram_rows)
             remembered = self.engram(streams, values, exponents)
             # the release gates no memory into image tokens: their streams pass unchanged
             streams = remembered if image_mask is None else torch.where(image_mask[:, None, None], streams, remembered)
@@ -187,7 +188,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         from ``token_ids``, which must then hold values, not placeholders."""
         if not self.needs_host_tokens:
             return {"engram_history": history}
-        values, exponents = zip(*(layer.engram.gather(self.ngram_hasher(token_ids, history, layer.engram.index))
+        ngrams = self.ngram_hasher.ngrams(token_ids, history)
+        values, exponents = zip(*(layer.engram.gather(self.ngram_hasher(ngrams, layer.engram.index))
                                   for layer in self.layers if layer.engram is not None))
         return {"engram_values": torch.stack(values, 1), "engram_exponents": torch.stack(exponents, 1)}
 
@@ -231,9 +233,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         selection = Selection()
         features = []
         replay = batch.replay
+        ngrams = None  # Engram's n-grams of the batch the layers read, hashed by each Engram layer
         for i, layer in enumerate(self.layers):
             if i == self.decoder_start and replay is not None:  # the decoder layers run on the replayed rows only
-                rows, batch = replay.rows, replay.batch
+                rows, batch, ngrams = replay.rows, replay.batch, None
                 if not rows.numel():  # a prefill chunk wholly before its replay start: no decoder work at all
                     streams, pre = streams[:0], pre[:0]
                     features += [streams[:, 0] for j in self.feature_layers if j >= i]
@@ -243,8 +246,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                 selection = Selection(*(None if t is None else t[rows] for t in (selection.slots, selection.candidates)))
                 image_mask = None if image_mask is None else image_mask[rows]
             wanted = features if i in self.feature_layers else None
+            engram_rows = None
+            if layer.engram is not None and "engram_history" in batch.extras:  # tables on the device
+                if ngrams is None:
+                    ngrams = self.ngram_hasher.ngrams(batch.token_ids, batch.extras["engram_history"])
+                engram_rows = self.ngram_hasher(ngrams, layer.engram.index)
             streams, pre = layer(streams, pre, batch, phases[layer.attn.rotary], caches, selection, wanted,
-                                 self.ngram_hasher, image_mask)
+                                 engram_rows, image_mask)
         hidden = self.mhc.collapse(streams, pre)
         if replay is not None:  # back in step order; rows the decoder skipped stay zero (they need no logits)
             hidden = scatter_rows(hidden, replay.rows, x.shape[0])
