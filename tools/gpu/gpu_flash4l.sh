@@ -12,10 +12,10 @@
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
 # tools/gpu/gpu_kernels.py --grouped; GROUPED_TESTS, GROUPED_FORMATS narrow them), v41prefill (the V4.1-Flash-shaped fixture's
 # prefill at V41_PREFILL_LENS tokens, 8192 and 512), prefill (tools/profiling/profile_prefill.py on flash4L at PREFILL_LENS
-# tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at batch 1 and 64),
+# tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at V41_BATCHES, 1 and 64; V41_TAG names the runs; BENCH_PRELUDE: Python run before a bench of a tree whose plugins are registered by hand),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
 # SPEC_BATCHES, SPEC_TIMEOUT), replay (SWA bounded
-# replay: prefill off vs compact), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
+# replay: prefill off vs compact), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
@@ -24,7 +24,8 @@
 # What travels (the run tool's carry: [".wheels", ".kernels"]): `python3 tools/build/fetch_kernels.py` for .kernels, and
 # for .wheels the packages the box lacks, without dependencies (it has torch, numpy, pluggy and pytest):
 #   pip download --no-deps -d .wheels jsonschema jsonschema-specifications referencing lark pydantic==2.14.4 \
-#       typing-inspection annotated-types
+#       typing-inspection annotated-types fastapi starlette uvicorn h11 httpx httpcore anyio sniffio idna certifi \
+#       click typing_extensions annotated-doc opentelemetry-api
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .wheels rpds-py xgrammar \
 #       pydantic-core==2.50.5 apache-tvm-ffi
@@ -64,6 +65,7 @@ if command -v deepinfer >/dev/null && python -c "import deepinfer_nvidia" 2>/dev
 else  # build.sh failed: register the plugin by hand
     export PYTHONPATH="$PWD:$PWD/backends/nvidia:$PWD/features/mtp:$PWD/features/structured_outputs"
     bench=(python -c "$register_by_hand
+${BENCH_PRELUDE:-}
 from deepinfer.cli import main; main()" bench)
     echo "build.sh did not install the plugin; registering it by hand"
 fi
@@ -266,6 +268,15 @@ if has structured; then  # a JSON schema's per-step cost at batch 32, grammar ma
     timeout 300 "${bench[@]}" structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 --output-len 64 \
         --output-json "$out/structured.json" 2>&1 | grep -vE "INFO" | tail -8
 fi
+if has serve; then  # deepinfer bench serve on loopback (the embedded model, SERVE_CONCURRENCY), offline throughput as the peer
+    stamp "serve"
+    timeout ${SERVE_TIMEOUT:-300} "${bench[@]}" serve --model deepinfer-tiny-v4.1 --dtype bfloat16 --num-prompts 64 \
+        --random-input-len 64 --random-output-len 64 --ignore-eos --max-concurrency ${SERVE_CONCURRENCY:-1 8 32 64} \
+        --save-result --result-dir "$out/serve" 2>&1 | grep -E "Error|error|Max concurrency|Output token throughput|Mean TTFT|Mean TPOT" | head -24
+    timeout 200 "${bench[@]}" throughput --model deepinfer-tiny-v4.1 --dtype bfloat16 --input-len 64 --output-len 64 \
+        --num-prompts 64 --output-json "$out/throughput_tiny_64.json" 2>&1 | grep -E "Error|error" | head -4
+    python -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: v for k, v in r.items() if k != 'machine'})" "$out/throughput_tiny_64.json"
+fi
 if has flash; then  # flash4L decode alone (no HF run): this tree, at FLASH_BATCHES
     for b in ${FLASH_BATCHES:-1 16 64}; do
         latency flash_b$b --batch-size $b --input-len 512 --output-len 64
@@ -319,8 +330,9 @@ if has flashprev; then  # the same from the previous commit's tree, as the peer
 fi
 if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF peer: HF has no V4.1)
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
-    model=/tmp/v41flash8L latency v41_b1 --batch-size 1 --input-len 512 --output-len 64
-    model=/tmp/v41flash8L latency v41_b64 --batch-size 64 --input-len 512 --output-len 64
+    for b in ${V41_BATCHES:-1 64}; do
+        model=/tmp/v41flash8L latency v41${V41_TAG:-}_b$b --batch-size $b --input-len 512 --output-len 64
+    done
 fi
 if has v41prev; then  # the same two runs from the previous commit's tree, as the peer
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null

@@ -27,15 +27,23 @@ from gpu_kernels import HBM_COPY_BYTES_PER_S
 
 DEVICE = torch.device("cuda")
 BLOCK = 32
-# (name, out, in) of a V4.1-Flash layer's FP8 projections (hidden 5120, q rank 1280, 64 x 512 heads in 8 groups
-# of output rank 1024, shared expert 2304 wide)
-PROJECTIONS = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
-               ("shared w1", 2304, 5120), ("shared w2", 5120, 2304)]
+# (name, out, in) of a V4.1-Flash layer's FP8 projections as the engine calls them (hidden 5120, q rank 1280, 64 x 512
+# heads in 8 groups of output rank 1024, shared expert 2304 wide; wq_a with wkv and w1 with w3 are one GEMM each
+# once loaded, `SharedInput`), and an index layer's query projection (32 heads of 128)
+PROJECTIONS = [("wq_a + wkv", 1792, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192),
+               ("shared w1 + w3", 4608, 5120), ("shared w2", 5120, 2304), ("indexer wq_b", 4096, 1280)]
 ROWS = (1, 16, 64)
 STRATEGIES = {
     "this kernel": {},
-    "128-row tiles": {"FEW_ROWS_TILES": {"BN": 128, "num_warps": 4, "num_stages": 4}},
+    "tensor cores (no one-row GEMV)": {"GEMV": False},
+    "tensor cores, 6 stages": {"GEMV": False, "FEW_ROWS_TILES": {"BN": 64, "num_warps": 4, "num_stages": 6}},
+    "tensor cores, 8 programs an SM": {"GEMV": False, "FEW_ROWS_PROGRAMS_PER_SM": 8},
+    "gemv, 10 programs an SM": {"GEMV_PROGRAMS_PER_SM": 10},
+    "gemv, 3 programs an SM": {"GEMV_PROGRAMS_PER_SM": 3},
+    "gemv, 4 warps, 12 an SM": {"GEMV_TILES": {"BN": 32, "KB": 256, "num_warps": 4}, "GEMV_PROGRAMS_PER_SM": 12},
+    "gemv, 128-byte steps, 1 warp": {"GEMV_TILES": {"BN": 32, "KB": 128, "num_warps": 1}, "GEMV_PROGRAMS_PER_SM": 16},
 }
+ONE_ROW_ONLY = {name for name, switches in STRATEGIES.items() if any(k.startswith("GEMV") for k in switches)}
 STREAMED_BYTES = 256 << 20
 
 
@@ -71,6 +79,8 @@ def main(peer: str | None) -> None:
                    "roofline_us": round(nbytes / HBM_COPY_BYTES_PER_S * 1e6, 1),
                    "cublas_bf16_us": round(_per_call_us(lambda x, w, s, b: x @ w.T, x, dense_copies), 1)}
             for contender, (call, switches) in contenders.items():
+                if rows > 1 and contender in ONE_ROW_ONLY:
+                    continue
                 for attribute, value in defaults.items():
                     setattr(module, attribute, switches.get(attribute, value))
                 try:
