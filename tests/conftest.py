@@ -83,6 +83,16 @@ def install(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_dspark_checkpoint(tmp_path_factory):
+    """``tiny_vision_checkpoint`` with random DSpark draft stages (``make_tiny --arch v41 --vision --dspark``)."""
+    from deepinfer.testing import make_tiny
+
+    out = tmp_path_factory.mktemp("tiny_vision_dspark")
+    make_tiny.main([str(out), "--arch", "v41", "--vision", "--dspark"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_vision_checkpoint(tmp_path_factory):
     """``make_tiny --arch v41 --vision``'s checkpoint (the one tools/goldens/v41_vision_golden.py made the goldens of
     tests/fixtures/v41_vision from), built once per run."""

@@ -213,8 +213,18 @@ def test_structured_outputs_hold_for_image_prompts(tiny_vision_checkpoint):
     assert output.text in ("yes!", "no!")
 
 
-def test_images_with_speculative_decoding_are_refused(short, monkeypatch):
-    """The tiny vision tiny_vision_checkpoint has no DSpark stages: any speculator stands in for one."""
-    monkeypatch.setattr(short.engine, "speculator", object())
-    with pytest.raises(ValueError, match=r"prompts\[0\] image 0: images are not supported with speculative"):
-        short.generate(image_prompt(GENERATION[0]), GREEDY, use_tqdm=False)
+def test_speculative_decoding_keeps_image_prompts_lossless(tiny_vision_dspark_checkpoint):
+    """DSpark drafts (random stages: they are proposed and rejected) leave the greedy outputs of image prompts, in a
+    batch with a text-only one, exactly the target's."""
+    plugin = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
+    from deepinfer.plugins.manager import registered
+
+    prompts = [image_prompt(g) for g in GENERATION] + ["a text-only prompt"]
+    model = str(tiny_vision_dspark_checkpoint)
+    plain = greedy(LLM(model, dtype="float32", quantization="none"), prompts, 12)
+    with registered(plugin, "mtp"):
+        llm = LLM(model, dtype="float32", quantization="none", enable_mtp_varlen=False)
+    assert llm.engine.speculator is not None
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == plain
+    assert all(o.metrics.num_draft_tokens > 0 for o in outputs)

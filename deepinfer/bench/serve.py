@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
                        help="requests in flight at most (default: unbounded); several values: a sweep")
     bench.add_argument("--ignore-eos", action="store_true", help="every request makes --random-output-len tokens")
+    bench.add_argument("--num-warmups", type=int, default=1,
+                       help="requests sent before each run, under its concurrency bound, and not measured "
+                            "(as many as the bound lets the first timed steps find their batch sizes compiled)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles reported")
     bench.add_argument("--save-result", action="store_true", help="write each run's JSON")
@@ -70,8 +73,9 @@ def main(args: argparse.Namespace) -> list[dict]:
     with _Server(args) as server:
         prompts = _random_prompts(server.tokenizer, server.vocab, args)
         results = []
-        asyncio.run(_send(server, args, prompts[:1], math.inf, None))  # a warm-up, as vllm's test prompt
         for rate, bound in runs:
+            if args.num_warmups:
+                asyncio.run(_send(server, args, prompts[:args.num_warmups], math.inf, bound))
             started = time.perf_counter()
             outcomes = asyncio.run(_send(server, args, prompts, rate, bound))
             result = _metrics(outcomes, time.perf_counter() - started, args, rate, bound, server.model)
@@ -83,6 +87,8 @@ def main(args: argparse.Namespace) -> list[dict]:
 
 
 def _check(args) -> None:
+    if not 0 <= args.num_warmups <= args.num_prompts:
+        raise ValueError(f"--num-warmups must be in [0, --num-prompts={args.num_prompts}], got {args.num_warmups}")
     for name in ("num_prompts", "random_input_len", "random_output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

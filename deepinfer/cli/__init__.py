@@ -12,7 +12,7 @@ import torch
 torch.set_flush_denormal(True)
 
 from deepinfer import envs  # noqa: E402
-from deepinfer.bench import fullscale, load, parallel, replay, speculative, structured, throughput  # noqa: E402
+from deepinfer.bench import fullscale, load, parallel, replay, speculative, structured, throughput, vision  # noqa: E402
 from deepinfer.bench import serve as serve_bench  # noqa: E402
 from deepinfer.cli import commands as cli_commands  # noqa: E402
 from deepinfer.cli import serve as serve_cli  # noqa: E402
@@ -74,6 +74,8 @@ def _run(argv: list[str]) -> None:
     speculative.add_arguments(kinds.add_parser("speculative", help="decode with and without drafts"))
     replay.add_arguments(kinds.add_parser("replay", help="prefill with SWA bounded replay off and compact"))
     structured.add_arguments(kinds.add_parser("structured", help="decode with and without a JSON schema"))
+    vision.add_arguments(kinds.add_parser("vision", help="the vision encoder's images/s and time to first token with "
+                                          "images"))
     parallel.add_arguments(kinds.add_parser("parallel", help="one rank against data/expert parallelism, EPLB"))
     fullscale.add_arguments(kinds.add_parser("fullscale", help="a model across N GPUs: data-parallel attention, "
                                              "expert-parallel experts (no one-GPU peer)"))

@@ -137,9 +137,8 @@ class LLMEngine:
         if self.encoder_cache is None:
             raise ValueError(f"{name} image 0: {self.config.model} has no vision tower (config.json vision_config); "
                              "it reads text only")
-        if self.speculator is not None or self.context is not None:
-            raise ValueError(f"{name} image 0: images are not supported with speculative decoding or "
-                             "context_parallel_size > 1 yet")
+        if self.context is not None:
+            raise ValueError(f"{name} image 0: images are not supported with context_parallel_size > 1 yet")
         return prepare_images(token_ids, sources, self.model_config.vision_config, self.model_config.image_token_id,
                               name)
 

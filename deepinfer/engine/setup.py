@@ -145,10 +145,11 @@ def encoder_cache(config: EngineConfig, model_config, model_dir, dtype: torch.dt
     vision = getattr(model_config, "vision_config", None)
     if vision is None:
         return None
+    attend = backend("deepinfer_vision_attention_backend", config, device).attention
     if config.load_format == "dummy":
-        encoder = VisionEncoder(vision, model_config.hidden_size, dtype)
+        encoder = VisionEncoder(vision, model_config.hidden_size, dtype, attend)
     else:
-        encoder = load_vision_encoder(model_config, Path(model_dir), dtype)
+        encoder = load_vision_encoder(model_config, Path(model_dir), dtype, attend)
     return EncoderCache(encoder.to(device), device, 16 * vision.max_image_tokens)
 
 

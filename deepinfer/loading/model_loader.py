@@ -11,7 +11,7 @@ from deepinfer.runtime.linear import fuse_shared_inputs, materialize, quantizabl
 from deepinfer.models.contract import Backends
 from deepinfer.loading.weights import dummy_layout, fill_dummy, load_state_dict, plan_load, stream_into
 from deepinfer.models.deepseek_v4.weight_names import naming
-from deepinfer.models.deepseek_v41.vision import VisionEncoder
+from deepinfer.models.deepseek_v41.vision import Attend, VisionEncoder, vision_attention
 from deepinfer.models.deepseek_v41.vision_weights import vision_name
 from deepinfer.loading.model_registry import checkpoint_naming, model_class
 from deepinfer.plugins.interfaces import AttentionBackend, LinearBackend, MHCBackend, MoEBackend
@@ -95,12 +95,14 @@ def load_part(module: nn.Module, model_config, model_dir: Path, checkpoint_name,
     fuse_shared_inputs(module)
 
 
-def load_vision_encoder(model_config, model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> VisionEncoder:
+def load_vision_encoder(model_config, model_dir: Path, dtype: torch.dtype = torch.bfloat16,
+                        attend: Attend = vision_attention) -> VisionEncoder:
     """DeepSeek-V4.1's vision encoder (``model_config.vision_config``) on the CPU, from the checkpoint's vision
-    tensors only; the loader's header checks name any missing, mis-shaped or unexpected one with its file."""
+    tensors only, its attention ``attend``; the loader's header checks name any missing, mis-shaped or unexpected
+    one with its file."""
     if model_config.vision_config is None:
         raise ValueError(f"the checkpoint in {model_dir} has no vision tower (config.json vision_config)")
-    encoder = VisionEncoder(model_config.vision_config, model_config.hidden_size, dtype)
+    encoder = VisionEncoder(model_config.vision_config, model_config.hidden_size, dtype, attend)
     expected = {name: (tuple(t.shape), t.dtype) for name, t in encoder.state_dict().items()}
     encoder.load_state_dict(load_state_dict(model_dir, expected, naming=naming(vision_name)))
     return encoder

@@ -3,7 +3,7 @@
 Every hook receives the engine configuration (``device`` is a ``torch.device``).
 ``deepinfer_configure_engine`` is called on every plugin. The others are ``firstresult``: the
 first plugin that returns an object serves the hook and later plugins are not asked; a plugin
-declines by returning ``None``. Attention, MoE, linear, mHC and sampler must be served (the built-in
+declines by returning ``None``. Attention, vision attention, MoE, linear, mHC and sampler must be served (the built-in
 reference plugins always answer); drafter, prefill truncation and logits processor may go
 unanswered, which means the feature is off. ``deepinfer_step_context``, like ``deepinfer_configure_engine``, asks
 every plugin. Plugins are asked in pluggy's order (latest
@@ -34,6 +34,11 @@ def deepinfer_attention_backend(config, device):
 
     It serves sparse attention with sinks over paged KV rows and the indexer's top-k.
     """
+
+
+@hookspec(firstresult=True)
+def deepinfer_vision_attention_backend(config, device):
+    """Return a ``VisionAttentionBackend`` (the vision tower's full attention over an image's patches) or ``None``."""
 
 
 @hookspec(firstresult=True)

@@ -114,6 +114,15 @@ class AttentionBackend(Protocol):
         """
 
 
+class VisionAttentionBackend(Protocol):
+    name: str
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Full bidirectional attention over one image's patches: ``q``, ``k``, ``v`` [P, H, D] (RoPE applied),
+        softmax scale D^-0.5; returns [P, H * D] in ``q``'s dtype
+        (``deepinfer.models.deepseek_v41.vision.vision_attention`` is the reference)."""
+
+
 class LinearBackend(Protocol):
     name: str
     graph_safe: bool

@@ -34,6 +34,7 @@ PRIORITY_ATTRIBUTE = "DEEPINFER_PRIORITY"
 # latest registration first) and the built-ins answer only what nobody else does.
 DEFAULT_PLUGINS = (
     "deepinfer.plugins.builtin.torch_attention",
+    "deepinfer.plugins.builtin.torch_vision_attention",
     "deepinfer.plugins.builtin.torch_moe",
     "deepinfer.plugins.builtin.torch_linear",
     "deepinfer.plugins.builtin.torch_mhc",
@@ -173,6 +174,7 @@ def check_pending() -> None:
 # What each backend hook's answer implements: checked when the engine selects it (``checked``)
 HOOK_PROTOCOLS = {
     "deepinfer_attention_backend": interfaces.AttentionBackend,
+    "deepinfer_vision_attention_backend": interfaces.VisionAttentionBackend,
     "deepinfer_moe_backend": interfaces.MoEBackend,
     "deepinfer_linear_backend": interfaces.LinearBackend,
     "deepinfer_mhc_backend": interfaces.MHCBackend,

@@ -113,7 +113,9 @@ V41_FLASH_8L_DSPARK = {
 }
 
 FIXTURES = {"flash4L": FLASH4L, "flash4Lfp8": FLASH4L_FP8, "v41flash8L": V41_FLASH_8L, "v41flash": V41_FLASH,
-            "v41flash8Ldspark": V41_FLASH_8L_DSPARK}
+            "v41flash8Ldspark": V41_FLASH_8L_DSPARK, "v41flash8Lvision": V41_FLASH_8L}
+# fixtures with a vision tower: V4.1-Flash's (the release's vision_config: every key at its released value)
+VISION = {"v41flash8Lvision": {"num_hidden_layers": 32}}
 
 
 def write_fixture(name: str, out_dir: str | Path, **overrides) -> Path:
@@ -125,7 +127,7 @@ def write_fixture(name: str, out_dir: str | Path, **overrides) -> Path:
     if name.startswith("v41"):
         from deepinfer.testing.tiny_v41 import write_v41_config
 
-        write_v41_config(out, {**FIXTURES[name], **overrides}, tokenizer_vocab=TOKENIZER_VOCAB)
+        write_v41_config(out, {**FIXTURES[name], **overrides}, tokenizer_vocab=TOKENIZER_VOCAB, vision=VISION.get(name))
         return out
     from transformers import DeepseekV4Config
 

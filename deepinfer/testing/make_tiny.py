@@ -23,10 +23,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", choices=sorted(BUILDERS), default="v41", help="architecture (default v41)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     parser.add_argument("--vision", action="store_true", help="add a tiny vision tower (v41 only)")
+    parser.add_argument("--dspark", action="store_true", help="add random DSpark draft stages (v41 only)")
     args = parser.parse_args(argv)
     if args.vision and args.arch != "v41":
         parser.error("--vision needs --arch v41 (DeepSeek-V4 has no vision tower)")
-    options = {"vision": True} if args.vision else {}
+    if args.dspark and args.arch != "v41":
+        parser.error("--dspark needs --arch v41 (DeepSeek-V4's draft is a classic MTP layer)")
+    options = {name: True for name in ("vision", "dspark") if getattr(args, name)}
     print(BUILDERS[args.arch](args.out_dir, seed=args.seed, **options))
 
 

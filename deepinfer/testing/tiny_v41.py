@@ -111,9 +111,11 @@ def write_v41_config(out_dir: str | Path, text: dict, tokenizer_vocab: int | Non
     return d, tokenizer
 
 
-def build_tiny_v41(out_dir: str | Path, seed: int = 0, vision: bool = False, **overrides) -> Path:
+def build_tiny_v41(out_dir: str | Path, seed: int = 0, vision: bool = False, dspark: bool = False,
+                   **overrides) -> Path:
     """Write config.json, model.safetensors (random weights, released format) and a tokenizer; return the dir.
-    ``vision``: with ``TINY_VISION``'s tower (its weights drawn apart, so the text weights do not change)."""
+    ``vision``: with ``TINY_VISION``'s tower; ``dspark``: with random DSpark draft stages (``mtp.*``). Each is drawn
+    apart, so the text weights do not change."""
     from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from deepinfer.models.contract import Backends
@@ -142,6 +144,8 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, vision: bool = False, **o
             tensors[name] = value
     if config.vision_config is not None:
         tensors.update(tiny_vision_tensors(config.vision_config, config.hidden_size, seed))
+    if dspark:
+        tensors.update(tiny_draft_tensors(config, model, seed))
     save_file(released_format(tensors), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -164,6 +168,25 @@ def _draw(name: str, shape, config, g: torch.Generator) -> torch.Tensor:
         return normal(1.0)
     std = shape[-1] ** -0.5
     return normal(4 * std if name == "head.weight" else std)
+
+
+def tiny_draft_tensors(config, model, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors of the DSpark draft stages under the released names (``mtp.{i}.*``)."""
+    from deepinfer.models.deepseek_v41.dspark import DSparkDraft
+
+    with torch.device("meta"):
+        draft = DSparkDraft(config, model.rotary_main, model.backends.attention, model.backends.moe, model.backends.mhc)
+    g = torch.Generator().manual_seed(seed + 2)
+    tensors = {}
+    for name, value in draft.state_dict().items():
+        released = "mtp." + model.checkpoint_name(name).removeprefix("layers.")
+        per_expert = re.fullmatch(r"(mtp\.\d+\.ffn\.experts)\.(w[123]\.weight)", released)
+        drawn = _draw(released, tuple(value.shape), config, g)
+        if per_expert:
+            tensors.update({f"{per_expert.group(1)}.{e}.{per_expert.group(2)}": drawn[e] for e in range(drawn.shape[0])})
+        else:
+            tensors[released] = drawn
+    return tensors
 
 
 def tiny_vision_tensors(vision, text_hidden_size: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at V41_BATCHES, 1 and 64; V41_TAG names the runs; BENCH_PRELUDE: Python run before a bench of a tree whose plugins are registered by hand),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
 # SPEC_BATCHES, SPEC_TIMEOUT), replay (SWA bounded
-# replay: prefill off vs compact), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
+# replay: prefill off vs compact), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
@@ -270,12 +270,20 @@ if has structured; then  # a JSON schema's per-step cost at batch 32, grammar ma
 fi
 if has serve; then  # deepinfer bench serve on loopback (the embedded model, SERVE_CONCURRENCY), offline throughput as the peer
     stamp "serve"
-    timeout ${SERVE_TIMEOUT:-300} "${bench[@]}" serve --model deepinfer-tiny-v4.1 --dtype bfloat16 --num-prompts 64 \
+    timeout ${SERVE_TIMEOUT:-300} "${bench[@]}" serve --model deepinfer-tiny-v4.1 --dtype bfloat16 --num-prompts 64 --num-warmups 64 \
         --random-input-len 64 --random-output-len 64 --ignore-eos --max-concurrency ${SERVE_CONCURRENCY:-1 8 32 64} \
         --save-result --result-dir "$out/serve" 2>&1 | grep -E "Error|error|Max concurrency|Output token throughput|Mean TTFT|Mean TPOT" | head -24
     timeout 200 "${bench[@]}" throughput --model deepinfer-tiny-v4.1 --dtype bfloat16 --input-len 64 --output-len 64 \
         --num-prompts 64 --output-json "$out/throughput_tiny_64.json" 2>&1 | grep -E "Error|error" | head -4
     python -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: v for k, v in r.items() if k != 'machine'})" "$out/throughput_tiny_64.json"
+fi
+if has vision; then  # V4.1-Flash's vision encoder (v41flash8Lvision, dummy weights): its tests, then bench vision
+    stamp "vision"
+    timeout 200 python -m pytest -q -x tests/test_vision_attention.py 2>&1 | tee "$out/tests_vision.txt" | tail -2
+    python -m deepinfer.testing.flash_fixtures v41flash8Lvision /tmp/v41flash8Lvision >/dev/null
+    timeout 300 "${bench[@]}" vision --model /tmp/v41flash8Lvision --load-format dummy --dtype bfloat16 \
+        --image-size ${VISION_SIZE:-1024 768} --output-json "$out/vision.json" 2>&1 | grep -E "Error|error|vision attention" | head -6
+    cat "$out/vision.json"
 fi
 if has flash; then  # flash4L decode alone (no HF run): this tree, at FLASH_BATCHES
     for b in ${FLASH_BATCHES:-1 16 64}; do

@@ -95,6 +95,15 @@ def deepinfer_attention_backend(config, device):
 
 
 @hookimpl
+def deepinfer_vision_attention_backend(config, device):
+    if device.type != "cuda":
+        return None
+    from deepinfer_nvidia.vision_attention import SDPAVisionAttention
+
+    return SDPAVisionAttention()
+
+
+@hookimpl
 def deepinfer_sampler(config, device):
     if device.type != "cuda":
         return None

@@ -9,6 +9,8 @@ delimiters the image span places around them, under the released checkpoint's na
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,13 +21,14 @@ from deepinfer.models.deepseek_v41.config import VisionConfig
 # the release's vision norms (not configurable there)
 NORM_EPS = 1e-6
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [P, H, D] -> [P, H * D]
+
 
 def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full bidirectional attention over one image's patches: q, k, v [patches, heads, head_dim] (RoPE applied)
     -> [patches, heads * head_dim], softmax scale head_dim^-0.5.
 
-    The torch reference. Part 2 of the vision work lets a backend hook replace it (varlen flash attention over
-    several images at once); until then every tower calls this.
+    The torch reference; the engine's tower calls its ``VisionAttentionBackend`` (``attention``).
     """
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
     return out.transpose(0, 1).flatten(1)
@@ -58,15 +61,16 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, c: VisionConfig):
+    def __init__(self, c: VisionConfig, attend: Attend):
         super().__init__()
         self.num_heads, self.head_dim = c.num_heads, c.head_dim
         self.wqkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
         self.wo = nn.Linear(c.hidden_size, c.hidden_size)
+        self.attend = attend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        return self.wo(vision_attention(rotate(q, cos, sin), rotate(k, cos, sin), v))
+        return self.wo(self.attend(rotate(q, cos, sin), rotate(k, cos, sin), v))
 
 
 class VisionMLP(nn.Module):
@@ -83,10 +87,10 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, c: VisionConfig):
+    def __init__(self, c: VisionConfig, attend: Attend):
         super().__init__()
         self.norm1 = RMSNorm(c.hidden_size, NORM_EPS)
-        self.attn = VisionAttention(c)
+        self.attn = VisionAttention(c, attend)
         self.norm2 = RMSNorm(c.hidden_size, NORM_EPS)
         self.mlp = VisionMLP(c)
 
@@ -96,11 +100,11 @@ class VisionBlock(nn.Module):
 
 
 class VisionTower(nn.Module):
-    def __init__(self, c: VisionConfig):
+    def __init__(self, c: VisionConfig, attend: Attend = vision_attention):
         super().__init__()
         self.config = c
         self.patch_embed = PatchEmbed(c)
-        self.blocks = nn.ModuleList(VisionBlock(c) for _ in range(c.num_layers))
+        self.blocks = nn.ModuleList(VisionBlock(c, attend) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, NORM_EPS)
 
     def forward(self, patches: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -140,12 +144,14 @@ class VisionEncoder(nn.Module):
     """Image patches -> the text-width embeddings of the image's tokens; parameters under the released names.
 
     Projections and delimiters are held in ``dtype``; the norms' weights stay fp32, as the release ships them.
+    ``attend`` is the tower's attention (a ``VisionAttentionBackend``'s ``attention``; the reference by default).
     """
 
-    def __init__(self, c: VisionConfig, text_hidden_size: int, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, c: VisionConfig, text_hidden_size: int, dtype: torch.dtype = torch.bfloat16,
+                 attend: Attend = vision_attention):
         super().__init__()
         self.config = c
-        self.vision = VisionTower(c)
+        self.vision = VisionTower(c, attend)
         self.aligner = Merger(c, text_hidden_size)
         for module in self.modules():
             if isinstance(module, nn.Linear):
