@@ -108,3 +108,20 @@ def test_bench_vision_times_the_encoder_against_the_reference_and_ttft(tiny_visi
     assert result["image"] == {"size": [40, 24], "patches": 60, "image_tokens": 20}
     assert result["encoder_images_per_second"] > 0 and result["reference_attention_images_per_second"] > 0
     assert set(result["ttft_seconds"]) == {"1 image", "2 images"} and min(result["ttft_seconds"].values()) > 0
+
+
+def test_bench_vision_puts_the_selected_attention_back(tiny_vision_checkpoint):
+    """The encoder's timing swaps the reference attention in; the TTFT runs after it must use the selected one."""
+    from deepinfer.bench.vision import _encoder_seconds
+    from deepinfer.models.deepseek_v41.image_processing import preprocess_image
+    from PIL import Image
+
+    llm = LLM(str(tiny_vision_checkpoint), dtype="float32", quantization="none")
+    encoder = llm.engine.encoder_cache.encoder
+    selected = encoder.vision.blocks[0].attn.attend
+    image = preprocess_image(Image.new("RGB", (40, 24)), llm.engine.model_config.vision_config)
+    with torch.inference_mode():
+        seconds = _encoder_seconds(encoder, image.patches, image.grid, {"selected": selected,
+                                   "reference": vision_attention}, 1, torch.device("cpu"))
+    assert set(seconds) == {"selected", "reference"}
+    assert all(block.attn.attend == selected for block in encoder.vision.blocks)

@@ -33,14 +33,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _set_attention(encoder, attend) -> None:
+    for block in encoder.vision.blocks:
+        block.attn.attend = attend
+
+
 def _encoder_seconds(encoder, patches, grid, attentions: dict, iters: int, device) -> dict[str, float]:
     """Median seconds of one image through the encoder with each of ``attentions`` (name -> attend), the runs
-    alternating (after a warm-up call of each) so that drift in clocks or contention falls on both alike."""
+    alternating (after a warm-up call of each) so that drift in clocks or contention falls on both alike. The
+    encoder's own attention is put back afterwards."""
+    selected = encoder.vision.blocks[0].attn.attend
+    try:
+        return _alternating_medians(encoder, patches, grid, attentions, iters, device)
+    finally:
+        _set_attention(encoder, selected)
+
+
+def _alternating_medians(encoder, patches, grid, attentions: dict, iters: int, device) -> dict[str, float]:
     times = {name: [] for name in attentions}
     for i in range(iters + 1):
         for name, attend in attentions.items():
-            for block in encoder.vision.blocks:
-                block.attn.attend = attend
+            _set_attention(encoder, attend)
             _sync(device)
             start = time.perf_counter()
             encoder(patches, grid.rows, grid.cols)
