@@ -134,14 +134,7 @@ def build_tiny_v41(out_dir: str | Path, seed: int = 0, vision: bool = False, dsp
     for name, spec in model.expected_tensors().items():
         if name.endswith("engram.embed.scale"):
             continue
-        shape = spec[0]
-        per_expert = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(w[123]\.weight)", name)
-        value = _draw(name, shape, config, g)
-        if per_expert:
-            for e in range(shape[0]):
-                tensors[f"{per_expert.group(1)}.{e}.{per_expert.group(2)}"] = value[e]
-        else:
-            tensors[name] = value
+        tensors.update(_split_experts(name, _draw(name, spec[0], config, g)))
     if config.vision_config is not None:
         tensors.update(tiny_vision_tensors(config.vision_config, config.hidden_size, seed))
     if dspark:
@@ -180,13 +173,16 @@ def tiny_draft_tensors(config, model, seed: int = 0) -> dict[str, torch.Tensor]:
     tensors = {}
     for name, value in draft.state_dict().items():
         released = "mtp." + model.checkpoint_name(name).removeprefix("layers.")
-        per_expert = re.fullmatch(r"(mtp\.\d+\.ffn\.experts)\.(w[123]\.weight)", released)
-        drawn = _draw(released, tuple(value.shape), config, g)
-        if per_expert:
-            tensors.update({f"{per_expert.group(1)}.{e}.{per_expert.group(2)}": drawn[e] for e in range(drawn.shape[0])})
-        else:
-            tensors[released] = drawn
+        tensors.update(_split_experts(released, _draw(released, tuple(value.shape), config, g)))
     return tensors
+
+
+def _split_experts(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``name``'s tensor as the release stores it: a stacked routed-expert weight becomes one tensor per expert."""
+    stacked = re.fullmatch(r"((?:layers|mtp)\.\d+\.ffn\.experts)\.(w[123]\.weight)", name)
+    if stacked is None:
+        return {name: value}
+    return {f"{stacked.group(1)}.{e}.{stacked.group(2)}": value[e] for e in range(value.shape[0])}
 
 
 def tiny_vision_tensors(vision, text_hidden_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
