@@ -121,7 +121,7 @@ def test_bench_vision_puts_the_selected_attention_back(tiny_vision_checkpoint):
     selected = encoder.vision.blocks[0].attn.attend
     image = preprocess_image(Image.new("RGB", (40, 24)), llm.engine.model_config.vision_config)
     with torch.inference_mode():
-        seconds = _encoder_seconds(encoder, image.patches, image.grid, {"selected": selected,
-                                   "reference": vision_attention}, 1, torch.device("cpu"))
+        seconds = _encoder_seconds(encoder, image.patches.to(llm.engine.device), image.grid,
+                                   {"selected": selected, "reference": vision_attention}, 1, llm.engine.device)
     assert set(seconds) == {"selected", "reference"}
     assert all(block.attn.attend == selected for block in encoder.vision.blocks)
