@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, envs
-from deepinfer.models.deepseek_v41.dspark import DraftInputs
+from deepinfer.models.deepseek_v41.dspark import ONE_PROJECTION_MAX_ROWS, DraftHeads, DraftInputs
 from deepinfer.loading.model_source import EMBEDDED_MODEL_DIR
 from deepinfer.plugins.manager import PluginError, registered
 from deepinfer.testing.oracle_drafts import WatchingPlugin
@@ -74,9 +74,10 @@ def test_draft_logits_and_confidence_match_nemo():
     anchors = golden["anchors"]
     inputs = DraftInputs(golden["token_ids"][anchors], anchors, torch.stack(contexts), torch.stack(positions))
     heads = drafter.draft(inputs, model.embed)
+    projected = drafter.draft.block_logits(heads, model.project_vocab)
     for position in range(drafter.draft.block_size):
         logits, confidence = drafter.draft.markov(golden["previous"][:, position], heads, position,
-                                                  model.project_vocab)
+                                                  projected(position))
         expected = golden["draft_logits"][:, position]
         assert (logits - expected).abs().max() <= bound * expected.abs().max(), position
         assert torch.allclose(confidence, torch.sigmoid(golden["confidence_logits"][:, position]), atol=bound / 10)
@@ -250,3 +251,23 @@ def test_the_draft_pass_replays_from_cuda_graphs_as_it_runs_eagerly():
         eager_tokens, eager_confidences = drafter._draft(padded.cuda())
     assert torch.equal(replayed[0], eager_tokens[:batch])
     assert torch.equal(replayed[1], eager_confidences[:batch])
+
+
+@pytest.mark.parametrize("batch", [3, ONE_PROJECTION_MAX_ROWS // 5 + 1])
+def test_a_draft_pass_projects_its_block_once_while_it_is_small(embedded, batch):
+    """Every block position's vocabulary projection in one call (the head's weights read once a pass) up to
+    ONE_PROJECTION_MAX_ROWS rows, one call a position beyond: the same logits either way."""
+    draft = embedded.engine.speculator.drafter.draft
+    block, width = draft.block_size, draft.layers[-1].norm.weight.shape[0]
+    heads = DraftHeads(torch.randn(batch, block, width, generator=torch.Generator().manual_seed(batch)))
+    head = torch.randn(97, width, generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def project_vocab(rows):
+        calls.append(rows.shape[0])
+        return rows @ head.T
+
+    projected = draft.block_logits(heads, project_vocab)
+    logits = torch.stack([projected(p) for p in range(block)], 1)
+    assert calls == ([batch * block] if batch * block <= ONE_PROJECTION_MAX_ROWS else [batch] * block)
+    torch.testing.assert_close(logits, heads.normalized @ head.T)

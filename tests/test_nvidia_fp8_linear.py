@@ -104,6 +104,43 @@ def test_fp8_linear_matches_the_reference(tokens, out, cols, block, dtype):
     assert torch.all((ours.float() - reference).abs() <= tolerance)
 
 
+MANY_ROWS = [(FEW_ROWS + 3, 40, 96, 32), (FEW_ROWS + 1, 64, 160, 32)] + (
+    [(192, 5120, 8192, 32), (2048, 32768, 1280, 32), (300, 2048, 7168, 128)] if CUDA else [])
+
+
+@pytest.mark.parametrize("through_cublas", [True, False])
+@pytest.mark.parametrize("tokens, out, cols, block", MANY_ROWS)
+def test_many_row_calls_match_the_reference_on_either_route(tokens, out, cols, block, through_cublas, monkeypatch):
+    """Past FEW_ROWS bf16 rows: cuBLAS's bf16 GEMM on the expanded weight (fp8_bf16_gemm), or the Triton FP8 GEMM;
+    both within the FP8 path's bound of the reference."""
+    from deepinfer_nvidia import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "BF16_GEMM_MIN_ROWS", FEW_ROWS + 1 if through_cublas else 1 << 62)
+    g = torch.Generator().manual_seed(tokens)
+    weight, scale = quantize_fp8(torch.randn(out, cols, generator=g) * cols**-0.5, block, block)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = _inputs(tokens, cols, seed=tokens + cols, dtype=torch.bfloat16)
+    _poison()
+    ours = TritonLinear().linear(x, weight, scale, block).float()
+    reference = blockwise_linear(x.float(), weight, scale, block)
+    magnitude = round_fp8(x.float(), block).abs() @ dequantize(weight, scale, torch.float32).abs().T
+    assert torch.all((ours - reference).abs() <= magnitude * (2**-9 if CUDA else 1e-5) + reference.abs() * 2**-7)
+
+
+@pytest.mark.parametrize("out, cols, block", [(40, 96, 32), (130, 256, 128), (72, 1000, 32)])
+def test_the_expanded_weight_is_the_dequantized_one_exactly(out, cols, block):
+    from deepinfer_nvidia.fp8_bf16_gemm import expanded_weight
+    from deepinfer_nvidia.fp8_linear import _fp32_scales
+
+    g = torch.Generator().manual_seed(out)
+    weight, scale = quantize_fp8(torch.randn(out, cols, generator=g) * 10.0 ** torch.randint(-6, 3, (out, 1),
+                                                                                           generator=g), block, block)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    _poison()
+    got = expanded_weight(weight, _fp32_scales(scale), block, block)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), dequantize(weight, scale, torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_launch_calls_match_rounding_first_and_summing_apart_bit_for_bit(dtype, monkeypatch):
     """A call of a few rows is one launch (the GEMM rounds its activations, its last split sums the partials): the

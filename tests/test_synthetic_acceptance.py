@@ -132,3 +132,20 @@ def test_bench_speculative_reports_each_synthetic_length_on_dummy_weights(tmp_pa
         assert run["mean_acceptance_length"] == 1 + run["accepted_tokens"] / run["drafts"]
         assert run["per_step_ms"]["draft"] > 0 and result["speedup"][name] > 0
     assert result["without_drafts"]["per_step_ms"]["draft"] == 0
+
+
+def test_seeded_requests_draw_the_same_counts_in_every_run():
+    """A seeded request's draws follow its seed, not its id: a benchmark's warm-up and its timed run (new request
+    ids) accept the same drafts at the same steps, so the timed run meets only batch sizes the warm-up met (and
+    whose CUDA graphs it captured). Unseeded requests keep drawing by id."""
+    llm = _dspark(synthetic_acceptance_length=2.5)
+    stats = llm.engine.speculator.stats
+    seeded = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, seq_seed=i) for i in range(len(PROMPTS))]
+    counts = []
+    for _ in range(2):
+        before = (stats.num_drafts, stats.num_accepted_tokens)
+        outputs = llm.generate(PROMPTS, seeded, use_tqdm=False)
+        counts.append(((stats.num_drafts - before[0], stats.num_accepted_tokens - before[1]),
+                       [o.metrics.accepted_per_position for o in outputs]))
+    assert counts[0] == counts[1]
+    assert counts[0][0][0] > 0

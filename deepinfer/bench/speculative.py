@@ -67,7 +67,11 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
         raise SystemExit(f"no drafter serves this model with enable_mtp_varlen={varlen} (is features/mtp "
                          "installed?)")
     overlap = llm.engine.overlap
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    # seeded (greedy all the same): synthetic acceptance then draws the same counts in the warm-up and the timed run,
+    # so the timed run meets no batch size (as requests finish at different steps) whose graph the warm-up did not
+    # capture; a capture tunes kernels for seconds
+    params = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, seq_seed=i)
+              for i in range(len(prompts))]
     # warm-up as long as the timed run: kernels are tuned per shape, and shapes follow the context as it grows
     llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.speculator.stats if speculative else None

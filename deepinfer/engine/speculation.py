@@ -145,9 +145,13 @@ def synthetic_rate(length: float, max_drafts: int, tolerance: float = 1e-12) -> 
 
 
 def synthetic_key(request: Request) -> int:
-    """A request's 32-bit key for synthetic draws: from its id and seed, so that runs of the same requests draw
-    the same counts (a CRC rather than ``hash``, which Python salts per process)."""
-    return zlib.crc32(f"{request.request_id}:{request.params.seq_seed}:{request.sample_index}".encode())
+    """A request's 32-bit key for synthetic draws (a CRC rather than ``hash``, which Python salts per process): from
+    its ``seq_seed`` and sample index when it has a seed, so that runs of the same seeded requests draw the same
+    counts (a benchmark's warm-up then meets every batch size its timed run meets, and captures their graphs);
+    from its id otherwise."""
+    seed = request.params.seq_seed
+    origin = f"{request.request_id}:None" if seed is None else f"seed:{seed}"
+    return zlib.crc32(f"{origin}:{request.sample_index}".encode())
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

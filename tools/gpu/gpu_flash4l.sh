@@ -6,7 +6,7 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
-# kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests), mxfp4 (tools/gpu/gpu_mxfp4.py; MXFP4_TESTS narrows its tests; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), flash and flashprev (flash4L decode at FLASH_BATCHES, this tree and .prev's), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
+# kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests; FP8_ARGS, e.g. "--rows 6 192"), mxfp4 (tools/gpu/gpu_mxfp4.py; MXFP4_TESTS narrows its tests; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), flash and flashprev (flash4L decode at FLASH_BATCHES, this tree and .prev's), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
 # (batch 64 and 256 and an 8192-token prefill, against HF; p8192 and b256 run those alone), p512 (a 512-token prefill against HF), grouped (the grouped-GEMM experts' tests and
@@ -14,7 +14,7 @@
 # prefill at V41_PREFILL_LENS tokens, 8192 and 512), prefill (tools/profiling/profile_prefill.py on flash4L at PREFILL_LENS
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at V41_BATCHES, 1 and 64; V41_TAG names the runs; BENCH_PRELUDE: Python run before a bench of a tree whose plugins are registered by hand),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
-# SPEC_BATCHES, SPEC_TIMEOUT), replay (SWA bounded
+# SPEC_BATCHES, SPEC_TIMEOUT), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
 # replay: prefill off vs compact), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
@@ -72,7 +72,8 @@ fi
 export PYTHONPATH="${PYTHONPATH:-}:$PWD/backends/nvidia"
 # a script run with the plugin registered by hand when build.sh did not install it (its entry point is missing)
 py=(python)
-[[ ${bench[0]} == python ]] && py=(python -c "import runpy, sys; from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p; pm.register(p, 'nvidia'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+[[ ${bench[0]} == python ]] && py=(python -c "$register_by_hand
+import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 if has tests; then
     stamp tests
@@ -123,7 +124,7 @@ fi
 if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then tools/gpu/gpu_fp8_linear.py (FP8_PEER: a module timed alongside)
     stamp fp8
     timeout 240 python -m pytest -q -x tests/test_nvidia_fp8_linear.py 2>&1 | tee "$out/tests_fp8.txt" | tail -3
-    PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu" timeout 300 python tools/gpu/gpu_fp8_linear.py ${FP8_PEER:+--peer $FP8_PEER} 2>&1 | grep -v INFO \
+    PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu" timeout 300 python tools/gpu/gpu_fp8_linear.py ${FP8_PEER:+--peer $FP8_PEER} ${FP8_ARGS:-} 2>&1 | grep -v INFO \
         | tee "$out/fp8_linear.jsonl" | tail -1
 fi
 if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
@@ -351,6 +352,12 @@ if has v41profile; then  # where V4.1's batch-1 decode step spends its device ti
     stamp "profile v41flash8L b1"
     timeout 300 "${py[@]}" tools/profiling/profile_decode.py /tmp/v41flash8L --dummy --graphs --steps 48 --top ${TOP:-40} --trace \
         --batch-size 1 2>&1 | grep -v INFO | tail -1 | tee "$out/v41_profile_b1.json"
+fi
+if has specprofile; then  # one batch's speculative steps at V4.1-Flash shapes under the profiler (SPEC_BATCH, SPEC_PROFILE_ARGS)
+    python -m deepinfer.testing.flash_fixtures v41flash8Ldspark /tmp/v41flash8Ldspark >/dev/null
+    stamp "speculative profile v41flash8Ldspark b${SPEC_BATCH:-32}"
+    timeout ${SPEC_TIMEOUT:-400} "${py[@]}" tools/profiling/profile_speculative.py /tmp/v41flash8Ldspark --dummy \
+        --batch-size ${SPEC_BATCH:-32} ${SPEC_PROFILE_ARGS:-} 2>&1 | grep -E "^\{|Error|error|captured" | tee "$out/spec_profile.jsonl" | cut -c1-5000
 fi
 stamp done
 # JIT_PACK=0: a call that runs this script several times packs the caches once, or never

@@ -4,9 +4,10 @@ reference and timed, printed as JSON lines.
     PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools/gpu python tools/gpu/gpu_fp8_linear.py [--peer MODULE]
 
 Shapes: every FP8 projection of a V4.1-Flash layer (32 x 32 weight tiles, activations rounded in 1 x 32 blocks) at
-1, 16 and 64 rows. Each strategy (``STRATEGIES``) sets some of ``fp8_linear``'s switches; ``--peer`` also times
-another module's ``fp8_linear`` (say, the previous commit's file saved as ``deepinfer_nvidia/fp8_linear_previous.py``
-for the run); cuBLAS's bf16 GEMM on the dequantized weight is timed as a reference for speed only. A CUDA graph of
+1, 16 and 64 rows (``--rows``: others, e.g. 6 and 192 for speculative verification, 2048 for a prefill). Each
+strategy (``STRATEGIES``) sets some of ``fp8_linear``'s switches; ``--peer`` also times another module's
+``fp8_linear`` (say, the previous commit's file saved as ``deepinfer_nvidia/fp8_linear_previous.py`` for the run);
+cuBLAS's bf16 GEMM on the dequantized weight is timed as a reference for speed only. A CUDA graph of
 calls on distinct copies of the weight (over 256 MB in all: none is still in L2) is replayed and timed (median of
 do_bench), per call: no graph launch in the figure, as inside the engine's decode graph. The roofline reads the
 weight and its scales once at the measured copy rate.
@@ -42,7 +43,13 @@ STRATEGIES = {
     "gemv, 3 programs an SM": {"GEMV_PROGRAMS_PER_SM": 3},
     "gemv, 4 warps, 12 an SM": {"GEMV_TILES": {"BN": 32, "KB": 256, "num_warps": 4}, "GEMV_PROGRAMS_PER_SM": 12},
     "gemv, 128-byte steps, 1 warp": {"GEMV_TILES": {"BN": 32, "KB": 128, "num_warps": 1}, "GEMV_PROGRAMS_PER_SM": 16},
+    # speculative verification steps: 6 rows a request, 192 at batch 32 (the autotuned GEMM's range by default)
+    "few-rows kernel to 256 rows": {"FEW_ROWS": 256},
+    "few-rows kernel to 256 rows, 8 warps": {"FEW_ROWS": 256, "FEW_ROWS_TILES": {"BN": 64, "num_warps": 8,
+                                                                                 "num_stages": 3}},
+    "cuBLAS on the expanded weight": {"BF16_GEMM_MIN_ROWS": 65},
 }
+MANY_ROWS_ONLY = {"few-rows kernel to 256 rows", "few-rows kernel to 256 rows, 8 warps", "cuBLAS on the expanded weight"}
 ONE_ROW_ONLY = {name for name, switches in STRATEGIES.items() if any(k.startswith("GEMV") for k in switches)}
 STREAMED_BYTES = 256 << 20
 
@@ -59,7 +66,7 @@ def _per_call_us(call, x, copies) -> float:
     return triton.testing.do_bench(graph.replay, warmup=5, rep=40) * 1e3 / len(copies)
 
 
-def main(peer: str | None) -> None:
+def main(peer: str | None, row_counts: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     contenders = {name: (module.fp8_linear, switches) for name, switches in STRATEGIES.items()}
     if peer:
@@ -72,14 +79,14 @@ def main(peer: str | None) -> None:
         nbytes = weight.numel() + scale.numel()
         copies = [(weight.clone(), scale.clone()) for _ in range(max(4, STREAMED_BYTES // nbytes))]
         dense_copies = [(dense.clone(), None) for _ in range(max(4, STREAMED_BYTES // (2 * dense.numel())))]
-        for rows in ROWS:
+        for rows in row_counts:
             x = torch.randn(rows, cols, dtype=torch.bfloat16, device=DEVICE)
             expected = blockwise_linear(x.float(), weight, scale, BLOCK)
             row = {"projection": name, "shape": [out, cols], "rows": rows,
                    "roofline_us": round(nbytes / HBM_COPY_BYTES_PER_S * 1e6, 1),
                    "cublas_bf16_us": round(_per_call_us(lambda x, w, s, b: x @ w.T, x, dense_copies), 1)}
             for contender, (call, switches) in contenders.items():
-                if rows > 1 and contender in ONE_ROW_ONLY:
+                if (rows > 1 and contender in ONE_ROW_ONLY) or (rows <= 64 and contender in MANY_ROWS_ONLY):
                     continue
                 for attribute, value in defaults.items():
                     setattr(module, attribute, switches.get(attribute, value))
@@ -100,4 +107,6 @@ def main(peer: str | None) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer", help="a module whose fp8_linear is timed alongside (the previous kernel)")
-    main(parser.parse_args().peer)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help=f"row counts (default {ROWS})")
+    args = parser.parse_args()
+    main(args.peer, tuple(args.rows))

@@ -5,7 +5,8 @@ As the release's GEMMs work: ``x`` is rounded to e4m3 with one power-of-two scal
 times both scales. On Hopper an fp8 MMA accumulates in reduced precision, so promoting every BK = 32 or 128 values
 keeps the sum exact to fp32 rounding. ``BK`` is the activation block, which equals the weight's column tile (the
 loader checks the scales against ``quantization_config.weight_block_size``). Two GEMM kernels: an autotuned one
-for many rows (prefill) and ``_fp8_gemm_few_rows_kernel`` for decode's few.
+for many rows (``fp8_bf16_gemm`` is the cuBLAS alternative under measurement) and ``_fp8_gemm_few_rows_kernel``
+for decode's few.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl
 from deepinfer.runtime.ops import fp32_logits
 from deepinfer.runtime.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import INTERPRETED
+from deepinfer_nvidia import INTERPRETED, fp8_bf16_gemm
 from deepinfer_nvidia.fp8_rounding import _e4m3_values, _native_fp8, _segment_scale, act_quant
 from deepinfer_nvidia.logits import bf16_logits
 
@@ -264,6 +265,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
     if m <= FEW_ROWS and not pinned:
         _few_rows_gemm(flat, weight, scales, weight_row_tile, activation_block, y)
         return y.view(*x.shape[:-1], n)
+    if not pinned and fp8_bf16_gemm.serves(flat, BF16_GEMM_MIN_ROWS):
+        fp8_bf16_gemm.bf16_gemm_linear(flat, weight, scales, weight_row_tile, activation_block, y)
+        return y.view(*x.shape[:-1], n)
     q, sx = act_quant(flat, activation_block)
     # the interpreter cannot time configurations: it runs the smallest tile
     if pinned or INTERPRETED:
@@ -283,6 +287,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
 # Decode-sized calls (a few rows) go to _fp8_gemm_few_rows_kernel. Their few column tiles would each loop over all
 # of K (a 1536 x 5120 projection is 12 tiles of 128 rows on a 132-SM GPU), so K is split until every SM has work.
 FEW_ROWS = 64
+# From this many rows a call would be cuBLAS's bf16 GEMM on the expanded weight (fp8_bf16_gemm; never in
+# batch-invariant mode). Off until timed on the H200 against the Triton GEMM (tools/gpu/gpu_fp8_linear.py
+# --rows 192 2048, strategy "cuBLAS on the expanded weight"): cuBLAS alone ran 3-4x faster there, the expansion's
+# cost is not measured yet.
+BF16_GEMM_MIN_ROWS = 1 << 62
 FEW_ROWS_TILES = {"BN": 64, "num_warps": 4, "num_stages": 4}
 FEW_ROWS_PROGRAMS_PER_SM = 4
 MIN_BLOCKS_PER_SPLIT = 4

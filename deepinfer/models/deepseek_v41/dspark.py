@@ -32,6 +32,11 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.layers import ComplexRotary, MixPredictor
 
 
+# Rows (requests x block positions) up to which a draft pass projects all its positions in one call: the fp32
+# logits are then [rows, vocab] (132 MB at 256 rows and V4.1's vocabulary)
+ONE_PROJECTION_MAX_ROWS = 256
+
+
 @dataclasses.dataclass(slots=True)
 class DraftInputs:
     """One block per request: ``anchors`` [B] token ids at ``positions`` [B]; ``context`` [B, W, hidden] projected
@@ -155,15 +160,39 @@ class DSparkDraft(nn.Module):
         per_request = torch.cat([context_rows, block_rows], dim=1)  # [B, W + D]
         return per_request.unsqueeze(1).expand(-1, d, -1).reshape(batch * d, -1)
 
-    def markov(self, previous: torch.Tensor, heads: DraftHeads, position: int,
-               project_vocab: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _markov_weight(self) -> torch.Tensor:
+        """The Markov head's weight in fp32, converted on the first draft (the weights are loaded by then) rather
+        than on every call (a [vocab, rank] copy each position of each pass otherwise: 132 MB written at
+        V4.1-Flash's sizes, inside every replayed draft graph)."""
+        weight = self.layers[-1].markov_head.head.weight
+        if weight.dtype == torch.float32:
+            return weight
+        cached = self.__dict__.get("_markov_fp32")
+        if cached is None or cached[0] != weight.data_ptr():
+            cached = self.__dict__["_markov_fp32"] = (weight.data_ptr(), weight.detach().float())
+        return cached[1]
+
+    def block_logits(self, heads: DraftHeads, project_vocab: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> Callable[[int], torch.Tensor]:
+        """``position -> [B, vocab]``: the target's fp32 vocabulary projection (``project_vocab``) of each block
+        position's backbone output, before the Markov bias. Up to ``ONE_PROJECTION_MAX_ROWS`` rows every position
+        is projected in one call, so the head's weights are read once a pass instead of once a position (at batch
+        1 each read is V4.1-Flash's 1.3 GB); beyond, one position at a time, with no [B, block, vocab] buffer."""
+        normalized = heads.normalized
+        batch, block = normalized.shape[:2]
+        if batch * block > ONE_PROJECTION_MAX_ROWS:
+            return lambda position: project_vocab(normalized[:, position])
+        projected = project_vocab(normalized.flatten(0, 1)).view(batch, block, -1)
+        return lambda position: projected[:, position]
+
+    def markov(self, previous: torch.Tensor, heads: DraftHeads, position: int, projected: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, vocab] and acceptance confidence [B] at block ``position``, given the token before it;
-        ``project_vocab`` is the target's fp32 vocabulary projection (one position at a time: no [B, D, vocab]
-        buffer)."""
+        ``projected``: the position's vocabulary projection (``block_logits``)."""
         last = self.layers[-1]
         normalized = heads.normalized[:, position]
         embedding = last.markov_head.embed(previous)
-        logits = project_vocab(normalized) + F.linear(embedding.float(), last.markov_head.head.weight.float())
+        logits = projected + F.linear(embedding.float(), self._markov_weight())
         features = torch.cat([normalized, embedding.float()], dim=-1)
         confidence = torch.sigmoid(F.linear(features, last.confidence_head.proj.weight.float())).squeeze(-1)
         return logits, confidence

@@ -33,9 +33,10 @@ class DSparkDrafter(PooledDrafter):
         anchors, positions, slots = inputs
         draft, target = self.draft, self.context
         heads = draft(DraftInputs(anchors, positions, self.pool.rows[slots], self.pool.positions[slots]), target.embed)
+        projected = draft.block_logits(heads, target.project_vocab)
         previous, tokens, confidences = anchors, [], []
         for position in range(draft.block_size):  # left to right: the Markov head reads the token before
-            logits, confidence = draft.markov(previous, heads, position, target.project_vocab)
+            logits, confidence = draft.markov(previous, heads, position, projected(position))
             previous = logits.argmax(dim=-1)
             tokens.append(previous)
             confidences.append(confidence)
