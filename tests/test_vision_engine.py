@@ -126,6 +126,14 @@ def test_preempted_requests_recompute_their_images(tiny_vision_checkpoint):
     assert tight.engine.counters()["preemptions"] > 0
 
 
+def test_context_parallel_ranks_keep_image_prompts_greedy(tiny_vision_checkpoint):
+    """Two context-parallel ranks (Gloo on the CPU), each computing a zigzag share of every 16-token step: each
+    rank's image rows carry their embeddings, and the greedy tokens are NeMo's."""
+    with LLM(str(tiny_vision_checkpoint), dtype="float32", quantization="none", device="cpu",
+             context_parallel_size=2, max_num_batched_tokens=16) as ranks:
+        assert greedy(ranks, [image_prompt(g) for g in GENERATION]) == [g["greedy"] for g in GENERATION]
+
+
 def data_url(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 

@@ -137,8 +137,6 @@ class LLMEngine:
         if self.encoder_cache is None:
             raise ValueError(f"{name} image 0: {self.config.model} has no vision tower (config.json vision_config); "
                              "it reads text only")
-        if self.context is not None:
-            raise ValueError(f"{name} image 0: images are not supported with context_parallel_size > 1 yet")
         return prepare_images(token_ids, sources, self.model_config.vision_config, self.model_config.image_token_id,
                               name)
 

@@ -56,6 +56,15 @@ class ImageRows:
         mask = torch.zeros(num_rows, dtype=torch.bool, device=self.rows.device)
         return mask.index_fill_(0, self.rows, True)
 
+    def among(self, rows: torch.Tensor, num_rows: int) -> "ImageRows":
+        """The image rows among ``rows`` (context parallelism: a rank's share of the step's ``num_rows`` rows, in
+        step order), numbered as rows of that share."""
+        local = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
+        local[rows] = torch.arange(rows.numel(), device=rows.device)
+        mine = local[self.rows]
+        kept = mine >= 0
+        return ImageRows(mine[kept], self.embeddings[kept])
+
 
 @dataclass(slots=True)
 class ForwardBatch:
@@ -76,16 +85,17 @@ class ForwardBatch:
 
     def own_rows(self) -> "ForwardBatch":
         """Context parallelism: the step with its per-token inputs (ids, positions, what each token attends to,
-        extras) cut to this rank's rows. Cache writes still cover every row (every rank's caches hold the whole
+        extras, image rows) cut to this rank's rows. Cache writes still cover every row (every rank's caches hold the whole
         step, written from ``gather``ed rows)."""
         if self.context is None:
             return self
         rows = self.context.rows
         compressed = {ratio: dataclasses.replace(meta, candidates=meta.candidates[rows])
                       for ratio, meta in self.compressed.items()}
+        images = None if self.images is None else self.images.among(rows, self.token_ids.shape[0])
         return dataclasses.replace(self, token_ids=self.token_ids[rows], positions=self.positions[rows],
                                    window=self.window[rows], compressed=compressed,
-                                   extras={name: t[rows] for name, t in self.extras.items()})
+                                   extras={name: t[rows] for name, t in self.extras.items()}, images=images)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Per-token rows of this rank's tokens -> the rows of every token of the step (context parallelism;
