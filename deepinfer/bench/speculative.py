@@ -45,6 +45,16 @@ MODES = {"without_drafts": (None, True, "measured"), "fixed_length": (False, Tru
          "fixed_length_synchronous": (False, False, "measured")}
 
 
+def seeded_greedy(count: int, max_tokens: int) -> list:
+    """Greedy parameters for ``count`` requests of exactly ``max_tokens`` tokens, request ``i`` seeded ``i``: the
+    seed leaves greedy tokens alone, but synthetic acceptance then draws the same counts in a warm-up and the timed
+    run after it, so the timed run meets no batch size (requests finish at different steps) whose CUDA graph the
+    warm-up did not capture (a capture tunes kernels for seconds)."""
+    from deepinfer import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seq_seed=i) for i in range(count)]
+
+
 def step_split(per_step_ms: dict[str, float]) -> dict[str, float]:
     """``StepMetrics``' phases grouped as speculation's costs: the forward pass (on a CPU, or a verification step
     that waits for the host, its run; overlapped, its launch), the draft passes (with the drafter's store of the
@@ -67,11 +77,7 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
         raise SystemExit(f"no drafter serves this model with enable_mtp_varlen={varlen} (is features/mtp "
                          "installed?)")
     overlap = llm.engine.overlap
-    # seeded (greedy all the same): synthetic acceptance then draws the same counts in the warm-up and the timed run,
-    # so the timed run meets no batch size (as requests finish at different steps) whose graph the warm-up did not
-    # capture; a capture tunes kernels for seconds
-    params = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, seq_seed=i)
-              for i in range(len(prompts))]
+    params = seeded_greedy(len(prompts), args.output_len)
     # warm-up as long as the timed run: kernels are tuned per shape, and shapes follow the context as it grows
     llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.speculator.stats if speculative else None

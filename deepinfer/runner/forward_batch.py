@@ -85,8 +85,8 @@ class ForwardBatch:
 
     def own_rows(self) -> "ForwardBatch":
         """Context parallelism: the step with its per-token inputs (ids, positions, what each token attends to,
-        extras, image rows) cut to this rank's rows. Cache writes still cover every row (every rank's caches hold the whole
-        step, written from ``gather``ed rows)."""
+        extras, image rows) cut to this rank's rows. Cache writes still cover every row (every rank's caches hold
+        the whole step, written from ``gather``ed rows)."""
         if self.context is None:
             return self
         rows = self.context.rows

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from deepinfer import LLM, SamplingParams
-from deepinfer.bench.speculative import PROMPTS
+from deepinfer import LLM
+from deepinfer.bench.speculative import PROMPTS, seeded_greedy
 from deepinfer.bench.throughput import _release, _synchronize
 
 
@@ -35,14 +35,13 @@ def _table(prof, key: str, top: int, steps: int) -> list[tuple[str, float, int]]
 
 
 def profile(args, drafts: bool, enforce_eager: bool) -> dict:
-    options = {"enable_mtp_varlen": False, "synthetic_acceptance_length": args.synthetic_acceptance_length} if drafts else {}
+    options = ({"enable_mtp_varlen": False, "synthetic_acceptance_length": args.synthetic_acceptance_length}
+               if drafts else {})
     llm = LLM(args.model, max_num_seqs=args.batch_size, enforce_eager=enforce_eager, **options,
               **({"load_format": "dummy", "dtype": "bfloat16"} if args.dummy else {}))
     engine = llm.engine
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch_size)]
-    # seeded: the synthetic draws follow each request's seed, so the profiled run repeats the warm-up's batch sizes
-    params = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, seq_seed=i)
-              for i in range(args.batch_size)]
+    params = seeded_greedy(args.batch_size, args.output_len)  # the profiled run repeats the warm-up's batch sizes
     llm.generate(prompts, params, use_tqdm=False)
     before = _graph_counts(engine)
     engine.step_metrics.reset()
