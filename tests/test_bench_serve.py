@@ -35,3 +35,9 @@ def test_bad_flags_are_refused_naming_them(capsys):
         with pytest.raises(SystemExit) as exit:
             main(["bench", "serve", "--model", "deepinfer-tiny-v4.1", *flags])
         assert exit.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_server_that_cannot_start_is_named_with_its_reason():
+    # the server runs in a child process: its refusal comes back to the parent as the error
+    with pytest.raises(RuntimeError, match="did not start.*--max-queued must be >= 1"):
+        main(["bench", "serve", "--model", "deepinfer-tiny-v4.1", "--num-prompts", "1", "--max-queued", "0"])

@@ -4,8 +4,8 @@ time to first token, time per output token, inter-token latency, throughput.
 The flags and the result's JSON keys are ``vllm bench serve``'s (random dataset only): ``--num-prompts`` prompts of
 ``--random-input-len`` random token ids each ask ``--random-output-len`` tokens of ``/v1/completions``, streamed.
 Arrivals are a Poisson process at ``--request-rate`` per second (``inf``: all at once; ``--burstiness`` other than 1
-draws gamma intervals), at most ``--max-concurrency`` in flight. Without ``--base-url`` the server runs in this
-process on a free loopback port, from the engine flags of ``deepinfer serve``. Several ``--request-rate`` or
+draws gamma intervals), at most ``--max-concurrency`` in flight. Without ``--base-url`` the server runs in a
+child process on a free loopback port, from the engine flags of ``deepinfer serve``. Several ``--request-rate`` or
 ``--max-concurrency`` values make a sweep: one run per pair, on the same server.
 
 - TTFT: from sending a request to its first text; TPOT: (latency - TTFT) / (output tokens - 1); ITL: the time between
@@ -106,10 +106,14 @@ def _check(args) -> None:
 
 
 class _Server:
-    """The server to send to: ``--base-url``, or ``deepinfer serve`` started here on a free loopback port."""
+    """The server to send to: ``--base-url``, or ``deepinfer serve`` started in a child process on a free loopback
+    port. A child, not a thread: in one process the client's stream parsing, the HTTP server and the engine loop
+    would share one interpreter lock, and at high concurrency the client would slow the server it measures (vllm
+    bench serve is a process of its own too)."""
 
     def __init__(self, args):
         self.args = args
+        self.process = self.pipe = None
 
     def __enter__(self):
         from deepinfer.loading.model_source import resolve_model_dir
@@ -117,42 +121,85 @@ class _Server:
 
         args = self.args
         self.model = args.served_model_name or args.model or resolve_model_dir(None).name
+        self.tokenizer = load_tokenizer(resolve_model_dir(args.model))  # the prompts' vocabulary
+        self.vocab = len(self.tokenizer)
         if args.base_url:
-            self.url, self.uvicorn, self.loop = args.base_url.rstrip("/"), None, None
-            self.tokenizer = load_tokenizer(resolve_model_dir(args.model))  # the prompts' vocabulary
-            self.vocab = len(self.tokenizer)
+            self.url = args.base_url.rstrip("/")
             return self
-        import socket
+        import multiprocessing
 
-        import uvicorn
-
-        from deepinfer.serve import launch
-
-        args.api_key = None
-        self.loop, app = launch.build(args)
-        self.model = args.served_model_name or args.model or self.model
-        self.tokenizer = self.loop.llm.tokenizer
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or device state inherited
+        self.pipe, child_end = context.Pipe()
+        self.process = context.Process(target=_serve_in_child, args=(args, child_end), name="deepinfer-bench-server",
+                                       daemon=True)
+        self.process.start()
+        child_end.close()
+        try:
+            kind, value = self.pipe.recv()  # the engine's loading and warm-up come first: no time bound here
+        except EOFError:
+            kind, value = "error", f"it exited with code {self.process.exitcode} before it was ready"
+        if kind == "error":
+            self.__exit__()
+            raise RuntimeError(f"the benchmark's server did not start: {value}")
+        port, model_vocab = value
         # the tokenizer may name fewer or more ids than the model's embedding has rows: both bound a prompt's ids
-        self.vocab = min(len(self.tokenizer), self.loop.engine.model_config.vocab_size)
-        self.loop.start()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-        self.thread.start()
-        while not self.uvicorn.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("the benchmark's server did not start")
-            time.sleep(0.02)
+        self.vocab = min(self.vocab, model_vocab)
         self.url = f"http://127.0.0.1:{port}"
         return self
 
     def __exit__(self, *exc):
-        if self.uvicorn is not None:
-            self.uvicorn.should_exit = True
-            self.thread.join()
-            self.loop.stop()
+        if self.process is None:
+            return
+        try:
+            self.pipe.send("stop")
+        except OSError:  # it has gone already
+            pass
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.pipe.close()
+        self.process = None
+
+
+def _serve_in_child(args, pipe) -> None:
+    """The child's life: build the server, report ("ready", (port, vocabulary)) or ("error", why), serve until the
+    parent says stop or goes away."""
+    import socket
+
+    import uvicorn
+
+    from deepinfer.serve import launch
+
+    try:
+        args.api_key = None
+        loop, app = launch.build(args)
+        loop.start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    except BaseException as exc:  # the child's stderr has the traceback too
+        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+
+    def stop_when_told() -> None:
+        while not server.started:  # ready only once it accepts connections
+            if server.should_exit:  # it failed to start: the process ends, and the parent reads why from its exit
+                return
+            time.sleep(0.02)
+        pipe.send(("ready", (port, loop.engine.model_config.vocab_size)))
+        try:
+            pipe.recv()
+        except EOFError:  # the parent went away
+            pass
+        server.should_exit = True
+
+    threading.Thread(target=stop_when_told, daemon=True).start()
+    try:
+        server.run()
+    finally:
+        loop.stop()
 
 
 def _random_prompts(tokenizer, vocab: int, args) -> list[list[int]]:
