@@ -15,7 +15,7 @@
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at V41_BATCHES, 1 and 64; V41_TAG names the runs; BENCH_PRELUDE: Python run before a bench of a tree whose plugins are registered by hand),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
 # SPEC_BATCHES, SPEC_TIMEOUT), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
-# replay: prefill off vs compact), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), structured's SYNC_DEBUG=1 counts synchronizing calls by call site in both trees; vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
+# replay: prefill off vs compact), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), SYNC_DEBUG=1 adds to structured and structuredprev the synchronizing calls by call site (tools/profiling/sync_sites.py); vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
@@ -268,29 +268,10 @@ if has structured; then  # a JSON schema's per-step cost at batch 32, grammar ma
     stamp "structured"
     timeout 300 "${bench[@]}" structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 --output-len 64 \
         --output-json "$out/structured.json" 2>&1 | grep -vE "INFO" | tail -8
-    # SYNC_DEBUG=1: the same run again, every call that makes the host wait for the device counted by call site (the
-    # open question of the structured steps' host phases: a wait hidden inside one); then the previous tree's, carried in .prev
-    if [[ ${SYNC_DEBUG:-0} == 1 ]]; then
-        for tree in . .prev; do
-            [[ -d $tree/deepinfer ]] || continue
-            stamp "structured, synchronizing calls ($tree)"
-            (cd $tree && PYTHONPATH="$PWD:$PWD/backends/nvidia:$PWD/features/mtp:$PWD/features/structured_outputs" \
-             timeout 300 python -c "$register_by_hand
-import collections, traceback, warnings, torch
-sites = collections.Counter()
-def count(message, category, filename, lineno, file=None, line=None):
-    if 'synchronizing' in str(message):
-        sites[' <- '.join(f'{f.filename.split(\"/deepinfer/\")[-1]}:{f.lineno}' for f in traceback.extract_stack()[-6:-1])] += 1
-warnings.showwarning = count
-torch.cuda.set_sync_debug_mode('warn')
-from deepinfer.cli import main
-try:
-    main()
-finally:
-    [print(n, site) for site, n in sites.most_common(12)]" bench structured --model deepinfer-tiny-v4.1 --dtype bfloat16 \
-                --batch-size 32 --output-len 64 2>&1 | grep -vE "INFO" | tail -16)
-        done
-    fi
+    # SYNC_DEBUG=1: the same run again, every call that makes the host wait for the device counted by call site
+    # (the open question of the structured steps' host phases: a wait hidden inside one); structuredprev does it too
+    [[ ${SYNC_DEBUG:-0} == 1 ]] && timeout 300 "${py[@]}" tools/profiling/sync_sites.py bench structured \
+        --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 --output-len 64 2>&1 | grep -vE "INFO" | tail -14
 fi
 if has serve; then  # deepinfer bench serve on loopback (the embedded model, SERVE_CONCURRENCY), offline throughput as the peer
     stamp "serve"
@@ -341,6 +322,8 @@ if has structuredprev; then  # `structured` from the previous commit's tree
     stamp "structured (previous commit)"
     prev_run timeout 300 "${prev_bench[@]}" structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 \
         --output-len 64 --output-json "$out/structured_prev.json" 2>&1 | grep -vE "INFO" | tail -8
+    [[ ${SYNC_DEBUG:-0} == 1 ]] && prev_run timeout 300 "${prev_py[@]}" "$PWD/tools/profiling/sync_sites.py" bench \
+        structured --model deepinfer-tiny-v4.1 --dtype bfloat16 --batch-size 32 --output-len 64 2>&1 | grep -vE "INFO" | tail -14
 fi
 if has idleprev; then  # `idle`'s replayed steps (IDLE_MODELS, IDLE_BATCHES, async on) from the previous commit's tree
     for m in ${IDLE_MODELS:-/tmp/flash4L}; do
