@@ -20,10 +20,11 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
 from deepinfer.engine.config import EngineConfig  # noqa: E402
-from deepinfer.runtime.quantization import blockwise_linear, dequantize, quantize_fp8, round_fp8  # noqa: E402
+from deepinfer.runtime.quantization import blockwise_linear, dequantize, infer_block, quantize_fp8, round_fp8  # noqa: E402
 from deepinfer_nvidia import plugin  # noqa: E402
 from deepinfer_nvidia.fp8_rounding import act_quant, fp8_rounded  # noqa: E402
 from deepinfer_nvidia.fp8_linear import FEW_ROWS, TritonLinear, _programs_wanted, split_count  # noqa: E402
+from deepinfer_nvidia.split_k import counters_are_zero  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (tokens, out, in, block): V4's 128 tiles and V4.1's 32 tiles, ragged edges, decode and prefill sizes (the
@@ -189,7 +190,7 @@ if CUDA:
 def test_one_row_gemv_matches_the_reference_and_the_tensor_core_path(out, cols, block, monkeypatch):
     """A one-row bf16 call goes to the CUDA-core GEMV: within the reference's bound (its products in fp32, summed
     in another order), on weights with e4m3 subnormals too, and close to the tensor-core kernel's result."""
-    from deepinfer_nvidia import fp8_linear
+    from deepinfer_nvidia import fp8_gemv
 
     g = torch.Generator().manual_seed(out + cols)
     dense = torch.randn(out, cols, generator=g) * cols**-0.5
@@ -197,16 +198,16 @@ def test_one_row_gemv_matches_the_reference_and_the_tensor_core_path(out, cols, 
     weight, scale = quantize_fp8(dense, block, block)
     weight, scale = weight.to(DEVICE), scale.to(DEVICE)
     x = _inputs(1, cols, seed=out, dtype=torch.bfloat16)
-    monkeypatch.setattr(fp8_linear, "GEMV", True)
-    assert fp8_linear._gemv_serves(x, weight, fp8_linear.infer_block(out, scale.shape[0]), block)
+    monkeypatch.setattr(fp8_gemv, "GEMV", True)
+    assert fp8_gemv.gemv_serves(x, weight, infer_block(out, scale.shape[0]), block)
     _poison()
     ours = TritonLinear().linear(x, weight, scale, block)
     reference = blockwise_linear(x.float(), weight, scale, block)
     magnitude = round_fp8(x.float(), block).abs() @ dequantize(weight, scale, torch.float32).abs().T
     assert torch.all((ours.float() - reference).abs() <= magnitude * 1e-5 + reference.abs() * 2**-7)
-    assert not any(counters.any() for counters in fp8_linear._ARRIVALS[x.device])
+    assert counters_are_zero(x.device)
     assert torch.equal(ours, TritonLinear().linear(x, weight, scale, block))  # repeats bit for bit
-    monkeypatch.setattr(fp8_linear, "GEMV", False)
+    monkeypatch.setattr(fp8_gemv, "GEMV", False)
     tensor_cores = TritonLinear().linear(x, weight, scale, block)
     assert torch.all((ours.float() - tensor_cores.float()).abs() <= magnitude * 2**-9 + reference.abs() * 2**-7)
 
@@ -214,18 +215,18 @@ def test_one_row_gemv_matches_the_reference_and_the_tensor_core_path(out, cols, 
 def test_the_gemv_takes_only_what_it_reads_as_words(monkeypatch):
     """Several rows, fp32 activations, a K that is not whole words or activations not 8-byte aligned go to the
     tensor-core kernel (and still match the reference)."""
-    from deepinfer_nvidia import fp8_linear
+    from deepinfer_nvidia import fp8_gemv
 
-    monkeypatch.setattr(fp8_linear, "GEMV", True)
+    monkeypatch.setattr(fp8_gemv, "GEMV", True)
     weight, scale = quantize_fp8(torch.randn(64, 96), 32, 32)
     weight, scale = weight.to(DEVICE), scale.to(DEVICE)
     x = _inputs(1, 96, seed=1, dtype=torch.bfloat16)
-    assert fp8_linear._gemv_serves(x, weight, 32, 32)
-    assert not fp8_linear._gemv_serves(x.repeat(2, 1), weight, 32, 32)
-    assert not fp8_linear._gemv_serves(x.float(), weight, 32, 32)
-    assert not fp8_linear._gemv_serves(x, weight[:, :94], 32, 32)
+    assert fp8_gemv.gemv_serves(x, weight, 32, 32)
+    assert not fp8_gemv.gemv_serves(x.repeat(2, 1), weight, 32, 32)
+    assert not fp8_gemv.gemv_serves(x.float(), weight, 32, 32)
+    assert not fp8_gemv.gemv_serves(x, weight[:, :94], 32, 32)
     unaligned = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(1, 96)
-    assert unaligned.data_ptr() % 8 and not fp8_linear._gemv_serves(unaligned, weight, 32, 32)
+    assert unaligned.data_ptr() % 8 and not fp8_gemv.gemv_serves(unaligned, weight, 32, 32)
     reference = blockwise_linear(x.float(), weight, scale, 32)
     assert torch.allclose(TritonLinear().linear(unaligned, weight, scale, 32).float(), reference, rtol=2**-7, atol=1e-6)
 
@@ -233,8 +234,6 @@ def test_the_gemv_takes_only_what_it_reads_as_words(monkeypatch):
 def test_split_calls_leave_their_arrival_counters_zero_and_repeat_bit_for_bit():
     """The last split of each column tile sums the partials and zeroes its counter: a second call (a graph replay
     reuses the counters the same way) gives the same bits, and a call with more column tiles finds zeros too."""
-    from deepinfer_nvidia import fp8_linear
-
     g = torch.Generator().manual_seed(11)
     block = 32
     for out, cols in ((64, 512), (160, 1024)):
@@ -243,7 +242,7 @@ def test_split_calls_leave_their_arrival_counters_zero_and_repeat_bit_for_bit():
         x = _inputs(2, cols, seed=cols, dtype=torch.bfloat16)
         assert split_count(out, cols // block, _programs_wanted(DEVICE)) > 1
         first = TritonLinear().linear(x, weight, scale, block)
-        assert not any(counters.any() for counters in fp8_linear._ARRIVALS[x.device])
+        assert counters_are_zero(x.device)
         assert torch.equal(first, TritonLinear().linear(x, weight, scale, block))
 
 

@@ -12,9 +12,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_bf16_gemm, fp8_linear, fp8_rounding,
-                              kv_store, logits, mhc, mhc_weights, moe, moe_blocks, moe_fp4_bytes, moe_fp8, moe_grouped,
-                              moe_mxfp4, norm, rope, routing, sampling, slots)
+from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_bf16_gemm, fp8_gemv, fp8_linear,
+                              fp8_rounding, kv_store, logits, mhc, mhc_weights, moe, moe_blocks, moe_fp4_bytes, moe_fp8,
+                              moe_grouped, moe_mxfp4, norm, rope, routing, sampling, slots, split_k)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -42,15 +42,15 @@ CASES = {
                                           {"NUM_BLOCKS": 40, "BLOCKS_PER_SPLIT": 20, "SPLITS": 2, "W_ROW_TILE": 128,
                                            "BK": 128, "NATIVE_FP8": True, "BN": 128, "BM": 64, "QUANTIZE": False,
                                            "SUM_HERE": False}),
-    "fp8 gemv, one row": (fp8_linear._fp8_gemv_kernel,
+    "fp8 gemv, one row": (fp8_gemv._fp8_gemv_kernel,
                           {"x_ptr": "*i64", "w_ptr": "*i32", "sw_ptr": "*fp32", "y_ptr": "*bf16",
                            "partial_ptr": "*fp32", "arrivals_ptr": "*i32"},
                           {"NUM_BLOCKS": 160, "CHUNKS_PER_SPLIT": 5, "SPLITS": 4, "W_ROW_TILE": 32, "BK": 32,
-                           "NATIVE_FP8": True, "BN": fp8_linear.GEMV_TILES["BN"], "KB": fp8_linear.GEMV_TILES["KB"]}),
+                           "NATIVE_FP8": True, "BN": fp8_gemv.GEMV_TILES["BN"], "KB": fp8_gemv.GEMV_TILES["KB"]}),
     "fp8 weight expanded to bf16": (fp8_bf16_gemm._expand_kernel, {"w_ptr": "*fp8e4nv", "sw_ptr": "*fp32",
                                                                    "out_ptr": "*bf16"},
                                     {"W_ROW_TILE": 32, "W_COL_TILE": 32, "BN": 32, "BK": 128}),
-    "fp8 split sum": (fp8_linear._sum_splits_kernel, {"partial_ptr": "*fp32", "y_ptr": "*bf16"},
+    "fp8 split sum": (split_k.sum_splits_kernel, {"partial_ptr": "*fp32", "y_ptr": "*bf16"},
                       {"SPLITS": 6, "BLOCK": 1024}),
     "activation quant": (fp8_rounding._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                          ROUNDING | {"BLOCK": 32, "ROWS": 8, "SEGMENTS": 16}),

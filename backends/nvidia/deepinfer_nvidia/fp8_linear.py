@@ -6,7 +6,7 @@ times both scales. On Hopper an fp8 MMA accumulates in reduced precision, so pro
 keeps the sum exact to fp32 rounding. ``BK`` is the activation block, which equals the weight's column tile (the
 loader checks the scales against ``quantization_config.weight_block_size``). Two GEMM kernels: an autotuned one
 for many rows (``fp8_bf16_gemm`` is the cuBLAS alternative under measurement) and ``_fp8_gemm_few_rows_kernel``
-for decode's few.
+for decode's few rows (one row: ``fp8_gemv``; their K splits: ``split_k``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import triton.language as tl
 from deepinfer.runtime.ops import fp32_logits
 from deepinfer.runtime.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import INTERPRETED, fp8_bf16_gemm
+from deepinfer_nvidia import INTERPRETED, fp8_bf16_gemm, fp8_gemv
 from deepinfer_nvidia.fp8_rounding import _e4m3_values, _native_fp8, _segment_scale, act_quant
+from deepinfer_nvidia.split_k import arrival_counters, sm_count, store_split, sum_splits_kernel
 from deepinfer_nvidia.logits import bf16_logits
 
 logger = init_logger(__name__)
@@ -113,133 +114,8 @@ def _fp8_gemm_few_rows_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, 
     for step in range(BLOCKS_PER_SPLIT):  # the last split's surplus blocks load nothing
         acc += _few_rows_block(q_ptr, sx_ptr, w_ptr, sw_ptr, split * BLOCKS_PER_SPLIT + step, offs_m, offs_n, m_ok,
                                n_ok, K, stride_q, stride_w, stride_sw, NUM_BLOCKS, W_ROW_TILE, BK, NATIVE_FP8, QUANTIZE)
-    _store_split(acc, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, offs_m, n_ok, m_ok, M, N, stride_y,
-                 SPLITS, SUM_HERE)
-
-
-@triton.jit
-def _store_split(acc, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, offs_m, n_ok, m_ok, M, N, stride_y,
-                 SPLITS: tl.constexpr, SUM_HERE: tl.constexpr):
-    """A split's [BN, BM] tile of ``y^T``: stored, or kept apart as a partial. With SUM_HERE, the split counts itself
-    in on its column tile's arrival counter and the last to arrive adds the partials in split order into ``y``."""
-    out = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    mask = n_ok[:, None] & m_ok[None, :]
-    if SPLITS == 1:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tile = partial_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(tile + split * M * N, acc, mask=mask)
-        if SUM_HERE:
-            tl.debug_barrier()  # every thread's partial is written before the count says so (release, GPU scope)
-            arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
-                total = tl.load(tile, mask=mask, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
-                for s in tl.static_range(1, SPLITS):
-                    total += tl.load(tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(arrivals_ptr + pid_n, 0)
-
-
-# A 32-bit word of four e4m3 bytes to four fp32 values: two pair conversions and four widenings (1.5 instructions a
-# byte). Triton's own conversion of byte tensors picks each byte out and re-pairs them first (about 4).
-_E4M3X4_TO_F32 = tl.constexpr("""{
-.reg .b16 lo, hi, f0, f1, f2, f3;
-.reg .b32 h01, h23;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.e4m3x2 h01, lo;
-cvt.rn.f16x2.e4m3x2 h23, hi;
-mov.b32 {f0, f1}, h01;
-mov.b32 {f2, f3}, h23;
-cvt.f32.f16 $0, f0;
-cvt.f32.f16 $1, f1;
-cvt.f32.f16 $2, f2;
-cvt.f32.f16 $3, f3;
-}""")
-
-
-@triton.jit
-def _word_bytes(words, NATIVE_FP8: tl.constexpr):
-    """The four e4m3 values (lowest byte first) of each int32 word, as fp32."""
-    if NATIVE_FP8:
-        return tl.inline_asm_elementwise(_E4M3X4_TO_F32, "=r,=r,=r,=r,r", [words],
-                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    return (_byte_value(words, 0), _byte_value(words, 8), _byte_value(words, 16), _byte_value(words, 24))
-
-
-@triton.jit
-def _byte_value(words, shift: tl.constexpr):
-    return ((words >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _bf16_word(words, shift: tl.constexpr):
-    """The bf16 value at bit ``shift`` of each int64 word, as fp32 (its bits moved up)."""
-    return (((words >> shift) & 0xFFFF).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_rounded(x, sx, NATIVE_FP8: tl.constexpr):
-    """``x`` rounded to e4m3 values with its segment's scale ``sx`` (still to be multiplied back)."""
-    return _e4m3_values(x, sx[:, None], NATIVE_FP8).to(tl.float8e4nv).to(tl.float32)
-
-
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, K, stride_w, stride_sw,
-                     NUM_BLOCKS: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                     W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr, BN: tl.constexpr,
-                     KB: tl.constexpr):
-    """``y``'s BN columns for one row on the CUDA cores. The weight is read as int32 words (``w_ptr``, ``stride_w``
-    in words) and the bf16 activations as int64 words (``x_ptr``), four columns each: each weight row's KB bytes a
-    step are one contiguous run, each weight word widened to four fp32 values that meet its four rounded
-    activations times both scales: a program's BN rows lie in one ``W_ROW_TILE``-row scale tile, so each
-    activation segment meets one weight scale. The activations are rounded here, as
-    ``act_quant`` rounds them (bit for bit); each program reads its next chunk of weights before it multiplies
-    the current one. K splits and their sum work as in ``_fp8_gemm_few_rows_kernel``."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    SEGMENTS: tl.constexpr = KB // BK
-    WORDS: tl.constexpr = BK // 4
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
-    scale_row = sw_ptr + (pid_n * BN // W_ROW_TILE) * stride_sw  # the program's rows share their scales
-    segment = tl.arange(0, SEGMENTS)
-    # [SEGMENTS, WORDS] word indices (word j holds columns 4j to 4j + 3)
-    word = split * CHUNKS_PER_SPLIT * (KB // 4) + segment[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-    words = K // 4
-    rows = w_ptr + offs_n[:, None, None] * stride_w
-    acc = tl.zeros((BN, SEGMENTS, WORDS), dtype=tl.float32)
-    w = tl.load(rows + word[None, :, :], mask=n_ok[:, None, None] & (word < words)[None, :, :], other=0)
-    for chunk in range(CHUNKS_PER_SPLIT):
-        next_word = word + KB // 4
-        w_next = tl.load(rows + next_word[None, :, :],
-                         mask=n_ok[:, None, None] & ((next_word < words) & (chunk + 1 < CHUNKS_PER_SPLIT))[None, :, :],
-                         other=0)
-        xw = tl.load(x_ptr + word, mask=word < words, other=0)  # four bf16 columns a word, like the weight's
-        x0, x1, x2, x3 = _bf16_word(xw, 0), _bf16_word(xw, 16), _bf16_word(xw, 32), _bf16_word(xw, 48)
-        amax = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-        sx = _segment_scale(tl.max(amax, axis=1))  # [SEGMENTS]
-        block = (split * CHUNKS_PER_SPLIT + chunk) * SEGMENTS + segment
-        scale = (sx * tl.load(scale_row + block, mask=block < NUM_BLOCKS, other=0.0))[:, None]
-        w0, w1, w2, w3 = _word_bytes(w, NATIVE_FP8)
-        acc += w0 * (_e4m3_rounded(x0, sx, NATIVE_FP8) * scale)[None, :, :]
-        acc += w1 * (_e4m3_rounded(x1, sx, NATIVE_FP8) * scale)[None, :, :]
-        acc += w2 * (_e4m3_rounded(x2, sx, NATIVE_FP8) * scale)[None, :, :]
-        acc += w3 * (_e4m3_rounded(x3, sx, NATIVE_FP8) * scale)[None, :, :]
-        w, word = w_next, next_word
-    total = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # [BN, 1]
-    _store_split(total, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, tl.arange(0, 1), n_ok,
-                 tl.arange(0, 1) < 1, 1, N, N, SPLITS, True)
-
-
-@triton.jit
-def _sum_splits_kernel(partial_ptr, y_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """``y`` = the splits' partial sums added in split order (the order ``SUM_HERE`` adds them in)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < size
-    acc = tl.load(partial_ptr + offs, mask=ok, other=0.0)
-    for split in tl.static_range(1, SPLITS):
-        acc += tl.load(partial_ptr + split * size + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    store_split(acc, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, offs_m, n_ok, m_ok, M, N, stride_y,
+                SPLITS, SUM_HERE)
 
 
 # Batch-invariant mode's one configuration: tiles of different heights sum a row's K blocks differently (measured:
@@ -301,48 +177,11 @@ MIN_BLOCKS_PER_SPLIT = 4
 ONE_LAUNCH_MAX_ROWS = 16
 
 
-# One-row calls (a batch-1 decode step's) go to _fp8_gemv_kernel (CUDA cores, whole KB-byte runs of each weight
-# row) for bf16 activations and K in whole 4-byte words; BN rows lie in one weight scale tile (V4.1's are 32
-# rows), KB columns hold whole activation segments.
-GEMV = True
-GEMV_TILES = {"BN": 32, "KB": 256, "num_warps": 2, "num_stages": 1}
-# Programs a call wants per SM before K is split (measured on the H200 at V4.1-Flash's projections, one row: 3 gave
-# 82.4 us a layer, 5 90.3, 10 91.5; the tensor-core kernel 95.6)
-GEMV_PROGRAMS_PER_SM = 3
-
-
-def _gemv_tiles() -> dict:
-    return GEMV_TILES if not INTERPRETED else {"BN": 16, "KB": 64}
-
-
-def _gemv_serves(flat: torch.Tensor, weight: torch.Tensor, weight_row_tile: int, block: int) -> bool:
-    tiles = _gemv_tiles()
-    return (GEMV and flat.shape[0] == 1 and flat.dtype == torch.bfloat16 and flat.data_ptr() % 8 == 0
-            and weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0 and weight_row_tile % tiles["BN"] == 0
-            and tiles["KB"] % block == 0 and block % 4 == 0)
-
-
-def _gemv(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, weight_row_tile: int, block: int,
-          y: torch.Tensor) -> None:
-    k, n = flat.shape[1], weight.shape[0]
-    meta = _gemv_tiles()
-    tiles, chunks = triton.cdiv(n, meta["BN"]), triton.cdiv(k, meta["KB"])
-    splits = max(1, min(chunks, triton.cdiv(_sm_count(flat.device) * GEMV_PROGRAMS_PER_SM, tiles)))
-    per_split = triton.cdiv(chunks, splits)
-    splits = triton.cdiv(chunks, per_split)
-    partials = torch.empty(splits, 1, n, dtype=torch.float32, device=flat.device) if splits > 1 else y
-    _fp8_gemv_kernel[(tiles, splits)](
-        flat.view(torch.int64), weight.view(torch.int32), scales, y, partials, _arrival_counters(flat.device, tiles), n, k,
-        weight.stride(0) // 4,
-        scales.stride(0), NUM_BLOCKS=triton.cdiv(k, block), CHUNKS_PER_SPLIT=per_split, SPLITS=splits,
-        W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), **meta)
-
-
 def _few_rows_gemm(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, weight_row_tile: int,
                    block: int, y: torch.Tensor) -> None:
     (m, k), n = flat.shape, weight.shape[0]
-    if _gemv_serves(flat, weight, weight_row_tile, block):
-        return _gemv(flat, weight, scales, weight_row_tile, block, y)
+    if fp8_gemv.gemv_serves(flat, weight, weight_row_tile, block):
+        return fp8_gemv.gemv(flat, weight, scales, weight_row_tile, block, y)
     num_blocks = triton.cdiv(k, block)
     tile_n = _few_rows_tile_n()
     splits = split_count(n, num_blocks, _programs_wanted(flat.device))
@@ -353,12 +192,12 @@ def _few_rows_gemm(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=flat.device) if splits > 1 else y
     tiles = triton.cdiv(n, tile_n)
     _fp8_gemm_few_rows_kernel[(tiles, splits)](
-        q, sx, weight, scales, y, partials, _arrival_counters(flat.device, tiles), m, n, k, q.stride(0),
+        q, sx, weight, scales, y, partials, arrival_counters(flat.device, tiles), m, n, k, q.stride(0),
         weight.stride(0), scales.stride(0), y.stride(0), NUM_BLOCKS=num_blocks, BLOCKS_PER_SPLIT=per_split,
         SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), BM=rows,
         QUANTIZE=one_launch, SUM_HERE=one_launch, **({"BN": tile_n} if INTERPRETED else FEW_ROWS_TILES))
     if splits > 1 and not one_launch:
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, y, m * n, SPLITS=splits, BLOCK=1024)
+        sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, y, m * n, SPLITS=splits, BLOCK=1024)
 
 
 def _few_rows_tile_n() -> int:
@@ -373,28 +212,8 @@ def split_count(n: int, num_blocks: int, programs: int) -> int:
     return triton.cdiv(num_blocks, triton.cdiv(num_blocks, splits))  # every split gets at least one block
 
 
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The split GEMM's per-column-tile arrival counters: zero between calls (each call's last split zeroes its
-    own), so one buffer per device serves every call in stream order, graph replays included. A wider call gets a
-    larger buffer; the smaller ones stay allocated, since captured graphs hold their addresses."""
-    buffers = _ARRIVALS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < tiles:
-        buffers.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter: enough to split the tests' small shapes
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _programs_wanted(device: torch.device) -> int:
-    return FEW_ROWS_PROGRAMS_PER_SM * _sm_count(device)
+    return FEW_ROWS_PROGRAMS_PER_SM * sm_count(device)
 
 
 @functools.cache
