@@ -22,7 +22,7 @@ import json
 import torch
 
 from deepinfer.runtime.quantization import blockwise_linear, dequantize, quantize_fp8
-from deepinfer_nvidia import fp8_linear as module
+from deepinfer_nvidia import fp8_gemv, fp8_linear as module
 import triton.testing
 from gpu_kernels import HBM_COPY_BYTES_PER_S
 
@@ -47,11 +47,18 @@ STRATEGIES = {
     "few-rows kernel to 256 rows": {"FEW_ROWS": 256},
     "few-rows kernel to 256 rows, 8 warps": {"FEW_ROWS": 256, "FEW_ROWS_TILES": {"BN": 64, "num_warps": 8,
                                                                                  "num_stages": 3}},
-    "cuBLAS on the expanded weight": {"BF16_GEMM_MIN_ROWS": 65},
+    "cuBLAS on the expanded weight": {"BF16_GEMM_MIN_ROWS": 17, "FEW_ROWS": 16},
 }
-MANY_ROWS_ONLY = {"few-rows kernel to 256 rows", "few-rows kernel to 256 rows, 8 warps", "cuBLAS on the expanded weight"}
+# the fewest rows each many-row strategy is timed at (below, another kernel would serve the call)
+MANY_ROWS_ONLY = {"few-rows kernel to 256 rows": 65, "few-rows kernel to 256 rows, 8 warps": 65,
+                  "cuBLAS on the expanded weight": 17}
 ONE_ROW_ONLY = {name for name, switches in STRATEGIES.items() if any(k.startswith("GEMV") for k in switches)}
 STREAMED_BYTES = 256 << 20
+
+
+def _holder(switch: str):
+    """The module a strategy's switch lives in: the one-row GEMV's own, or fp8_linear's."""
+    return fp8_gemv if switch.startswith("GEMV") else module
 
 
 def _per_call_us(call, x, copies) -> float:
@@ -66,12 +73,12 @@ def _per_call_us(call, x, copies) -> float:
     return triton.testing.do_bench(graph.replay, warmup=5, rep=40) * 1e3 / len(copies)
 
 
-def main(peer: str | None, row_counts: tuple[int, ...]) -> None:
+def main(peer: str | None, row_counts: tuple[int, ...], strategies: list[str]) -> None:
     torch.manual_seed(0)
-    contenders = {name: (module.fp8_linear, switches) for name, switches in STRATEGIES.items()}
+    contenders = {name: (module.fp8_linear, STRATEGIES[name]) for name in strategies}
     if peer:
         contenders[f"peer: {peer}"] = (importlib.import_module(peer).fp8_linear, {})
-    defaults = {name: getattr(module, name) for switches in STRATEGIES.values() for name in switches}
+    defaults = {name: getattr(_holder(name), name) for switches in STRATEGIES.values() for name in switches}
     totals: dict[tuple[int, str], float] = {}
     for name, out, cols in PROJECTIONS:
         weight, scale = quantize_fp8(torch.randn(out, cols, device=DEVICE) * cols**-0.5, BLOCK, BLOCK)
@@ -86,10 +93,10 @@ def main(peer: str | None, row_counts: tuple[int, ...]) -> None:
                    "roofline_us": round(nbytes / HBM_COPY_BYTES_PER_S * 1e6, 1),
                    "cublas_bf16_us": round(_per_call_us(lambda x, w, s, b: x @ w.T, x, dense_copies), 1)}
             for contender, (call, switches) in contenders.items():
-                if (rows > 1 and contender in ONE_ROW_ONLY) or (rows <= 64 and contender in MANY_ROWS_ONLY):
+                if (rows > 1 and contender in ONE_ROW_ONLY) or rows < MANY_ROWS_ONLY.get(contender, 0):
                     continue
                 for attribute, value in defaults.items():
-                    setattr(module, attribute, switches.get(attribute, value))
+                    setattr(_holder(attribute), attribute, switches.get(attribute, value))
                 try:
                     got = call(x, weight, scale, BLOCK).float()
                     us = _per_call_us(call, x, copies)
@@ -100,7 +107,7 @@ def main(peer: str | None, row_counts: tuple[int, ...]) -> None:
                     row[contender] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             print(json.dumps(row), flush=True)
     for attribute, value in defaults.items():
-        setattr(module, attribute, value)
+        setattr(_holder(attribute), attribute, value)
     print(json.dumps({"layer_totals_us": {f"{rows} rows, {c}": round(us, 1) for (rows, c), us in totals.items()}}))
 
 
@@ -108,5 +115,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer", help="a module whose fp8_linear is timed alongside (the previous kernel)")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help=f"row counts (default {ROWS})")
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES),
+                        help="the strategies timed (default: all)")
     args = parser.parse_args()
-    main(args.peer, tuple(args.rows))
+    main(args.peer, tuple(args.rows), args.strategies)
