@@ -5,8 +5,8 @@ Both expansions are exact (an e4m3 value times a power of two is a bf16 value), 
 the reference multiplies and sums them in fp32. With V4.1's 32 x 32 tiles the Triton FP8 GEMM
 (``fp8_linear._fp8_gemm_kernel``) must scale and promote every 32-deep product, and on the H200 it ran 3-4x slower
 than cuBLAS's bf16 GEMM on the same weights at 192 and 2048 rows (tools/gpu/gpu_fp8_linear.py); expanding the weight
-costs three bytes a weight, which many rows should amortize. ``fp8_linear.BF16_GEMM_MIN_ROWS`` keeps this route off
-until the whole of it (expansion included) is timed there.
+costs three bytes a weight, which many rows amortize: ``fp8_linear.BF16_GEMM_MIN_ROWS`` is where the whole
+route (expansion included) was measured faster.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ As the release's GEMMs work: ``x`` is rounded to e4m3 with one power-of-two scal
 times both scales. On Hopper an fp8 MMA accumulates in reduced precision, so promoting every BK = 32 or 128 values
 keeps the sum exact to fp32 rounding. ``BK`` is the activation block, which equals the weight's column tile (the
 loader checks the scales against ``quantization_config.weight_block_size``). Two GEMM kernels: an autotuned one
-for many rows (``fp8_bf16_gemm`` is the cuBLAS alternative under measurement) and ``_fp8_gemm_few_rows_kernel``
-for decode's few rows (one row: ``fp8_gemv``; their K splits: ``split_k``).
+for many rows (from ``BF16_GEMM_MIN_ROWS`` rows ``fp8_bf16_gemm``'s cuBLAS route serves instead) and
+``_fp8_gemm_few_rows_kernel`` for decode's few rows (one row: ``fp8_gemv``; their K splits: ``split_k``).
 """
 
 from __future__ import annotations
@@ -163,11 +163,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
 # Decode-sized calls (a few rows) go to _fp8_gemm_few_rows_kernel. Their few column tiles would each loop over all
 # of K (a 1536 x 5120 projection is 12 tiles of 128 rows on a 132-SM GPU), so K is split until every SM has work.
 FEW_ROWS = 64
-# From this many rows a call would be cuBLAS's bf16 GEMM on the expanded weight (fp8_bf16_gemm; never in
-# batch-invariant mode). Off until timed on the H200 against the Triton GEMM (tools/gpu/gpu_fp8_linear.py
-# --rows 192 2048, strategy "cuBLAS on the expanded weight"): cuBLAS alone ran 3-4x faster there, the expansion's
-# cost is not measured yet.
-BF16_GEMM_MIN_ROWS = 1 << 62
+# From this many rows a call is cuBLAS's bf16 GEMM on the expanded weight (fp8_bf16_gemm; never in batch-invariant
+# mode). Timed, expansion included, against the Triton GEMM over one V4.1-Flash layer's FP8 projections
+# (tools/gpu/gpu_fp8_linear.py --rows 32 64 192 512 2048, H100, 2026-12-05): 64 rows 289.0 us vs 191.9 (the few-rows
+# kernel), 192 rows 312.6 vs 383.0, 512 rows 387.1 vs 850.9, 2048 rows 925.2 vs 2983.0. Between 64 and 192 rows
+# nothing was timed, so the Triton GEMM keeps them.
+BF16_GEMM_MIN_ROWS = 192
 FEW_ROWS_TILES = {"BN": 64, "num_warps": 4, "num_stages": 4}
 FEW_ROWS_PROGRAMS_PER_SM = 4
 MIN_BLOCKS_PER_SPLIT = 4
