@@ -25,10 +25,11 @@
 # for .wheels the packages the box lacks, without dependencies (it has torch, numpy, pluggy and pytest):
 #   pip download --no-deps -d .wheels jsonschema jsonschema-specifications referencing lark pydantic==2.14.4 \
 #       typing-inspection annotated-types fastapi starlette uvicorn h11 httpx httpcore anyio sniffio idna certifi \
-#       click typing_extensions annotated-doc opentelemetry-api
+#       click typing_extensions annotated-doc opentelemetry-api openai httpx2 httpcore2 truststore
+#   (openai: the test extra's; build.sh stops without it, and the install section then installs the packages alone)
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .wheels rpds-py xgrammar \
-#       pydantic-core==2.50.5 apache-tvm-ffi
+#       pydantic-core==2.50.5 apache-tvm-ffi jiter
 set -uo pipefail
 sections=",$1,"
 # the device tool returns a few files only: results go to one archive, repacked as each section starts
@@ -52,6 +53,14 @@ if has install; then
     # offline: no index, and the box's own setuptools instead of an isolated build environment; DeepSeek's kernels
     # from .kernels when it came along (tools/build/fetch_kernels.py; the run tool's carry: [".wheels", ".kernels"])
     PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 DEEPINFER_ACCELERATOR=nvidia ./build.sh 2>&1 | tee "$out/install.txt" | tail -9
+    # build.sh resolves the test extra's dependencies too; when one did not come along (2026-12-05: openai), the
+    # packages alone, editable and without dependencies, so that every process (the serve bench's child too) finds
+    # the plugins by their entry points
+    if ! python3 -c "import deepinfer_nvidia" 2>/dev/null; then
+        echo "build.sh did not install; installing the packages without their dependencies"
+        PIP_NO_INDEX=1 python3 -m pip install --quiet --no-deps --no-build-isolation -e . -e backends/nvidia \
+            $(for f in features/*/pyproject.toml; do printf -- "-e %s " "${f%/pyproject.toml}"; done) 2>&1 | tail -3
+    fi
 fi
 # the plugins of a tree whose build.sh did not install them (structured outputs only where xgrammar came along)
 register_by_hand="from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p, deepinfer_mtp.plugin as m
