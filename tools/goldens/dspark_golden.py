@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-from tools.training.train_tiny_v41 import FeatureCapture, build_models, load_released
+from tools.training.tiny_v41_model import FeatureCapture, build_models, load_released
 
 CHECKPOINT = Path(__file__).parents[2] / "deepinfer" / "assets" / "tiny_v41"
 PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\n"

@@ -55,11 +55,10 @@ from transformers import PreTrainedTokenizerFast
 
 import nemo_automodel
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-from tools.training.train_tiny_v41 import (
-    ACCEPTANCE_PROTOCOL, FeatureCapture, acceptance_prompts, build_corpus, build_models, dspark_acceptance,
-    dspark_step_loss, encode_documents, load_released, lr_factor, parameter_groups, released_draft_tensors,
-    split_documents, update_gate_biases,
-)
+from tools.training.tiny_v41_corpus import build_corpus, encode_documents, split_documents
+from tools.training.tiny_v41_metrics import ACCEPTANCE_PROTOCOL, acceptance_prompts, dspark_acceptance
+from tools.training.tiny_v41_model import FeatureCapture, build_models, load_released, released_draft_tensors
+from tools.training.train_tiny_v41 import dspark_step_loss, lr_factor, parameter_groups, update_gate_biases
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "deepinfer" / "assets" / "tiny_v41"
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "training.json")

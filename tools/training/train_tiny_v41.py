@@ -42,7 +42,6 @@ unigram baseline, DSpark greedy acceptance, greedy samples).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -53,7 +52,6 @@ import sysconfig
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 
 # NeMo wraps its expert activation in torch.compile; eager avoids a compiler dependency on the GPU box and keeps CPU
 # runs bitwise eager (as in tools/goldens/v41_golden.py). --compile lifts this.
@@ -63,265 +61,25 @@ if "--compile" not in sys.argv:
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
 
 import nemo_automodel
-from deepinfer.testing.tiny_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, tokenizer_config
-from deepinfer.testing.tiny_v41 import released_format
-from nemo_automodel.components.models.common import BackendConfig
-from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map, _next_prime
-from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from nemo_automodel.components.moe.layers import Gate
 from nemo_automodel.components.speculative.dspark import loss as dspark_loss
 from nemo_automodel.components.speculative.dspark.loss import compute_dspark_loss
+from tools.training.tiny_v41_corpus import build_corpus, encode_documents, split_documents, train_tokenizer
+from tools.training.tiny_v41_metrics import (
+    ACCEPTANCE_PROTOCOL, SAMPLE_PROMPTS, acceptance_prompts, dspark_acceptance, greedy, heldout_loss, unigram_loss,
+)
+from tools.training.tiny_v41_model import (
+    TRAINED_V41, FeatureCapture, build_models, export, load_released, model_config, sync_draft_embeddings,
+)
 
 # NeMo computes the DSpark probability distance in checkpointed chunks of 128 draft tokens, sized for the released
 # 129K vocabulary; with this vocabulary 16K-token chunks stay small and save thousands of kernel launches per step.
 dspark_loss._compute_l1_dist_per_token.__kwdefaults__["chunk_size"] = 16384
 
-# Every layer kind of V4.1 in nine layers, as in deepinfer/testing/tiny_v41.py: 0-1 sliding window only (1 with
-# Engram); 2 a ratio-2 KV and index source; 3 reuses 2's KV and selection; 4 re-indexes 2's keys; 5 a ratio-1 KV
-# source that publishes candidate blocks; 6 reuses 5; 7 re-indexes inside 5's candidates (with Engram); 8 a
-# window-only decoder layer. Then the three DSpark stages (window only), reading the inputs of layers 6-8.
-# Sized for about 8 minutes of training on one H200 and a 15.2 MB checkpoint: 12.5M parameters (7.1M of them in the
-# MXFP4 routed experts; 2 of 8 active) plus 2.5M in the draft. Training windows of 512 tokens against a 64-token
-# sliding window make the compressed paths carry the context: ratio-2 layers see up to 256 entries and select 32;
-# ratio-1 layers see up to 512, layer 5 keeps 8 candidate blocks of 8 and layer 7 selects 32 inside them.
-TRAINED_V41 = dict(
-    vocab_size=3072,
-    hidden_size=256,
-    moe_intermediate_size=128,
-    num_hidden_layers=9,
-    num_attention_heads=8,
-    head_dim=64,
-    qk_rope_head_dim=16,
-    q_lora_rank=128,
-    o_lora_rank=32,
-    o_groups=4,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    sliding_window=64,
-    hc_mult=4,
-    compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0] + [0, 0, 0],  # + the three DSpark stages
-    kv_source_layer_ids=[2, 5],
-    index_source_layer_ids=[2, 4, 5, 7],
-    index_n_heads=8,
-    index_head_dim=32,
-    index_topk=32,
-    candidate_source_layer_id=5,
-    candidate_topk_blocks=8,
-    candidate_block_size=8,
-    engram_layer_ids=[1, 7],
-    engram_max_ngram_size=3,
-    engram_vocab_size=2003,  # hash buckets per (n-gram size, head): primes just above this
-    engram_n_heads=2,
-    engram_head_dim=32,
-    num_nextn_predict_layers=3,
-    dspark_block_size=5,
-    dspark_noise_token_id=2,  # <｜▁pad▁｜>: never a training target
-    dspark_target_layer_ids=[6, 7, 8],
-    dspark_markov_rank=32,
-    dspark_n_routed_experts=4,
-    dspark_num_experts_per_tok=2,
-    max_position_embeddings=4096,
-    rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32, "beta_slow": 1,
-                  "original_max_position_embeddings": 512},
-)
 
-USER, ASSISTANT, THINK, END_THINK = SPECIAL_TOKENS[3:7]
-# DeepSeek-V3.1/V4 chat encoding: BOS, the system prompt, then <｜User｜>message<｜Assistant｜></think>answer EOS per
-# turn (non-thinking); the generation prompt ends with <｜Assistant｜></think>, or <｜Assistant｜><think> for thinking.
-CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system='') -%}"
-    "{%- for message in messages if message['role'] == 'system' -%}"
-    "{%- set ns.system = ns.system + message['content'] -%}{%- endfor -%}"
-    "{{- bos_token + ns.system -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'user' -%}{{- '" + USER + "' + message['content'] -}}"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '" + ASSISTANT + END_THINK + "' + message['content'] + eos_token -}}"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '" + ASSISTANT + "' + ('" + THINK + "' if thinking is defined and thinking else '" + END_THINK + "') -}}"
-    "{%- endif -%}"
-)
-TOPIC_QUESTIONS = (
-    "Explain the Python topic '{}'.",
-    "What does the Python language reference say about {}?",
-    "Describe {} in Python.",
-)
-SAMPLE_PROMPTS = ("def fibonacci(n):", '"""Return the', "import os\n")
-
-
-# ---------------------------------------------------------------------------------------------------- corpus
-def _bucket(name: str) -> float:
-    """A stable number in [0, 1) per document name, for the held-out split and subsampling."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64
-
-
-def build_corpus(include_tests: bool, max_bytes: int | None) -> list[tuple[str, str, bool]]:
-    """(name, text, is_chat) documents: stdlib ``*.py`` files and the pydoc topics as chat turns."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip_dirs = {"site-packages", "dist-packages", "__pycache__", "encodings", "pydoc_data"}  # codec tables; topics
-    test_dirs = {"test", "tests", "idle_test"}
-    docs = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if skip_dirs & set(parts) or (not include_tests and test_dirs & set(parts)):
-            continue
-        if path.name.startswith("bad") or any(p in ("data", "tokenizedata") for p in parts[:-1]):
-            continue  # deliberately malformed test inputs
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        text = text.replace("\r\n", "\n")
-        if text.strip():
-            docs.append(("/".join(parts), text, False))
-    from pydoc_data.topics import topics
-
-    for key in sorted(topics):
-        question = TOPIC_QUESTIONS[int(_bucket("q:" + key) * len(TOPIC_QUESTIONS))].format(key.replace("-", " "))
-        docs.append((f"pydoc:{key}", json.dumps([question, topics[key].strip()]), True))
-    if max_bytes is not None:  # smoke runs: a stable pseudo-random subset
-        kept, total = [], 0
-        for doc in sorted(docs, key=lambda d: _bucket("subset:" + d[0])):
-            if total + len(doc[1]) > max_bytes:
-                continue
-            kept.append(doc)
-            total += len(doc[1])
-        docs = sorted(kept)
-    return docs
-
-
-def split_documents(docs: list[tuple[str, str, bool]], heldout: float) -> tuple[list, list]:
-    """(train, held-out) documents: a document is held out by a hash of its name, whatever the subset."""
-    return [d for d in docs if _bucket(d[0]) >= heldout], [d for d in docs if _bucket(d[0]) < heldout]
-
-
-def chat_text(doc: str) -> str:
-    question, answer = json.loads(doc)
-    return BOS_TOKEN + USER + question + ASSISTANT + END_THINK + answer + EOS_TOKEN
-
-
-# ---------------------------------------------------------------------------------------------------- tokenizer
-def train_tokenizer(texts: list[str], vocab_size: int, max_length: int, out: Path) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with DeepSeek's special tokens at fixed ids (BOS 0, EOS 1, pad 2, ...)."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    for i, token in enumerate(SPECIAL_TOKENS):
-        assert tokenizer.token_to_id(token) == i, (token, tokenizer.token_to_id(token))
-    # DeepSeek prepends BOS to every encoded prompt.
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, 0)]
-    )
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = {**tokenizer_config(max_length), "chat_template": CHAT_TEMPLATE}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    return PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), bos_token=BOS_TOKEN,
-                                   eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
-
-
-def encode_documents(tokenizer: PreTrainedTokenizerFast, docs: list[tuple[str, str, bool]]) -> torch.Tensor:
-    """One stream of ``BOS text EOS`` documents (chat documents carry their own BOS/EOS)."""
-    backend = tokenizer.backend_tokenizer
-    texts = [chat_text(text) if is_chat else BOS_TOKEN + text + EOS_TOKEN for _, text, is_chat in docs]
-    ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-    return torch.tensor([i for doc in ids for i in doc], dtype=torch.int32)
-
-
-# ---------------------------------------------------------------------------------------------------- model
-def model_config(tokenizer: PreTrainedTokenizerFast, overrides: dict) -> DeepseekV41Config:
-    text = dict(TRAINED_V41, **overrides)
-    text["vocab_size"] = len(tokenizer)
-    text["engram_compressed_vocab_size"] = _compressed_token_map(tokenizer)[1]
-    text["engram_num_embeddings"] = engram_rows(text)
-    text["dtype"] = "float32"  # fp32 master weights; bf16 autocast on GPU
-    return DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}, dtype="float32")
-
-
-def engram_rows(text: dict) -> list[int]:
-    """Each Engram table holds exactly its hash buckets: NeMo's primes for every (n-gram size, head)."""
-    seen, rows = set(), []
-    for _ in text["engram_layer_ids"]:
-        total = 0
-        for _ in range(text["engram_max_ngram_size"] - 1):
-            current = text["engram_vocab_size"] - 1
-            for _ in range(text["engram_n_heads"]):
-                current = _next_prime(current, seen)
-                seen.add(current)
-                total += current
-        rows.append(total)
-    return rows
-
-
-def build_models(config: DeepseekV41Config, tokenizer, device: torch.device, num_anchors: int,
-                 grouped_experts: bool = False):
-    """NeMo's target and DSpark draft. ``grouped_experts``: torch._grouped_mm experts (bf16 on GPU only)."""
-    backend = BackendConfig(attn="sdpa", experts="torch_mm" if grouped_experts else "torch",
-                            dispatcher="torch", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
-                            enable_hf_state_dict_adapter=True)
-    model = DeepseekV41ForCausalLM(config, backend=backend, tokenizer=tokenizer)
-    model.initialize_weights(dtype=torch.float32)
-    text = config.text_config
-    options = SimpleNamespace(
-        num_draft_layers=text.num_nextn_predict_layers, target_layer_ids=text.dspark_target_layer_ids,
-        block_size=text.dspark_block_size, num_anchors=num_anchors, mask_token_id=text.dspark_noise_token_id,
-        markov_rank=text.dspark_markov_rank, markov_head_type="vanilla", confidence_head_alpha=1.0,
-        confidence_head_with_markov=True, confidence_head_stop_gradient=False,
-    )
-    draft = config.build_dspark_draft(options)
-    for module in (*model.modules(), *draft.modules()):
-        if isinstance(module, Gate):
-            # DeepSeek's auxiliary-loss-free balancing: NeMo's MoEConfig for V4.1 leaves the bias update off (it
-            # fine-tunes released weights); from scratch it keeps the routed experts in use.
-            module.bias_update_factor = 1e-3
-    return model.to(device), draft.to(device)
-
-
-def sync_draft_embeddings(model, draft) -> None:
-    """The draft reads the target's embedding and head (frozen copies; the release stores neither under mtp.*)."""
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
-        draft.lm_head.weight.copy_(model.lm_head.weight)
-    draft.set_embedding_head_trainable(False)
-
-
-class FeatureCapture:
-    """DSpark target features, as NeMo's ``HFDSparkTargetModel`` takes them from a V4.1 target.
-
-    ``get_dspark_target_feature_modules`` names each target layer's attention hyper-connection: its input is the
-    layer's residual streams [batch, seq, hc_mult, hidden] after any Engram update; the streams are averaged and
-    the layers concatenated: [batch, seq, len(dspark_target_layer_ids) * hidden].
-    """
-
-    def __init__(self, model, layer_ids):
-        self.captured: dict[int, torch.Tensor] = {}
-        modules = model.get_dspark_target_feature_modules(list(layer_ids))
-        self.layer_ids = list(layer_ids)
-        for layer_id, module in zip(self.layer_ids, modules):
-            module.register_forward_pre_hook(self._hook(layer_id))
-
-    def _hook(self, layer_id):
-        def hook(_module, inputs):
-            self.captured[layer_id] = inputs[0].detach()
-        return hook
-
-    def features(self) -> torch.Tensor:
-        out = torch.cat([self.captured[i].mean(dim=2) for i in self.layer_ids], dim=-1)
-        self.captured.clear()
-        return out
-
-
+# ---------------------------------------------------------------------------------------------------- training
 def parameter_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on projection matrices only (not embeddings, Engram tables, norms, mHC, sinks, biases)."""
     decay, no_decay = [], []
@@ -348,7 +106,6 @@ def update_gate_biases(module: torch.nn.Module) -> None:
             gate.update_bias()
 
 
-# ---------------------------------------------------------------------------------------------------- training
 def dspark_step_loss(draft, inputs, features, final_hidden, loss_mask):
     """NeMo's DSpark objective: 0.1 cross-entropy on the data + 0.9 probability distance (TV) to the target,
     plus the confidence head's BCE against the resulting per-token acceptance (DSparkTrainerModule's defaults)."""
@@ -463,127 +220,6 @@ def train(model, draft, capture, stream: torch.Tensor, args, batch: int, device,
         "main_tokens_per_second": round(main_tokens / max(t1 - t0, 1e-9)),
         "history": history,
     }
-
-
-# ---------------------------------------------------------------------------------------------------- evaluation
-@torch.no_grad()
-def heldout_loss(model, stream: torch.Tensor, seq_len: int, batch: int, device, autocast) -> tuple[float, int]:
-    """Mean next-token cross-entropy over non-overlapping windows of the held-out stream."""
-    model.eval()
-    n = (stream.numel() - 1) // seq_len
-    total, count = 0.0, 0
-    for start in range(0, n, batch):
-        idx = torch.arange(start, min(start + batch, n)).unsqueeze(1) * seq_len + torch.arange(seq_len + 1)
-        x = stream[idx].long().to(device)
-        with autocast:
-            logits = model(x[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
-        total += loss.item()
-        count += x[:, 1:].numel()
-    return total / max(count, 1), count
-
-
-def unigram_loss(train: torch.Tensor, heldout: torch.Tensor, vocab: int, seq_len: int) -> float:
-    """Held-out cross-entropy under add-one-smoothed training-split token frequencies (same targets as above)."""
-    counts = torch.bincount(train.long(), minlength=vocab).double() + 1
-    logp = (counts / counts.sum()).log()
-    n = (heldout.numel() - 1) // seq_len
-    targets = heldout[1 : n * seq_len + 1].view(n, seq_len).flatten().long()
-    return float(-logp[targets].mean())
-
-
-@torch.no_grad()
-def greedy(model, ids: torch.Tensor, new_tokens: int, eos: int | None = None) -> torch.Tensor:
-    """Greedy continuation by re-running the whole sequence for each token (NeMo's model has no KV cache)."""
-    model.eval()
-    for _ in range(new_tokens):
-        nxt = model(ids).logits[:, -1].float().argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-        if eos is not None and ids.shape[0] == 1 and int(nxt) == eos:
-            break
-    return ids
-
-
-@torch.no_grad()
-def dspark_acceptance(model, draft, capture, prompts: torch.Tensor, new_tokens: int) -> dict:
-    """Greedy DSpark acceptance on the target's own greedy continuations of held-out prompts.
-
-    For every anchor in the continuation the draft proposes ``dspark_block_size`` tokens; greedy verification
-    accepts the prefix that matches the target's argmax, plus the target's own (bonus) token. The Markov head reads
-    the previous token, which inside an accepted prefix is the matched token, so teacher forcing on the target's
-    continuation gives the acceptance that semi-autoregressive drafting gets. Returns the mean acceptance length
-    (accepted + 1) and the per-position acceptance rates.
-    """
-    model.eval()
-    draft.eval()
-    seqs = greedy(model, prompts, new_tokens)
-    out = model(seqs, return_hidden_states=True)
-    features = capture.features()
-    loss_mask = torch.zeros_like(seqs)
-    loss_mask[:, prompts.shape[1] - 1 :] = 1  # anchors: last prompt token and the continuation
-    saved = draft.num_anchors
-    draft.num_anchors = seqs.shape[1]  # every valid anchor
-    try:
-        d = draft(input_ids=seqs, target_hidden_states=features, loss_mask=loss_mask,
-                  target_last_hidden_states=out.hidden_states)
-    finally:
-        draft.num_anchors = saved
-    match = (d.draft_logits.argmax(-1) == d.aligned_target_logits.argmax(-1)) & d.eval_mask
-    full = d.eval_mask.all(-1) & d.block_keep_mask  # anchors with a whole block left to verify
-    accepted = match.int().cumprod(-1)[full]
-    return {
-        "mean_acceptance_length": float(accepted.sum(-1).float().mean() + 1) if accepted.numel() else None,
-        "acceptance_rate_by_position": [round(float(v), 4) for v in accepted.float().mean(0)],
-        "anchors": int(full.sum()),
-        "prompts": int(prompts.shape[0]),
-        "prompt_tokens": int(prompts.shape[1]),
-        "continuation_tokens": new_tokens,
-    }
-
-
-# (prompts, prompt tokens, continuation tokens) of the DSpark greedy acceptance measurement
-ACCEPTANCE_PROTOCOL = {"cuda": (32, 128, 96), "cpu": (2, 32, 16)}
-
-
-def acceptance_prompts(stream: torch.Tensor, n_prompts: int, prompt_len: int, device) -> torch.Tensor:
-    """Evenly spaced windows of the held-out stream."""
-    n_prompts = max(1, min(n_prompts, (stream.numel() - 1) // prompt_len))
-    starts = torch.arange(n_prompts) * ((stream.numel() - prompt_len) // n_prompts)
-    return stream[starts.unsqueeze(1) + torch.arange(prompt_len)].long().to(device)
-
-
-# ---------------------------------------------------------------------------------------------------- export
-def released_draft_tensors(draft) -> dict[str, torch.Tensor]:
-    """The DSpark stages ``mtp.*`` in the released layout and dtypes."""
-    drafted = draft.state_dict_adapter.to_hf({k: v.detach().cpu() for k, v in draft.state_dict().items()})
-    return {k: v for k, v in released_format(drafted).items() if k.startswith("mtp.")}
-
-
-def export(model, draft, config: DeepseekV41Config, out: Path) -> dict[str, torch.Tensor]:
-    native = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    tensors = released_format(model.state_dict_adapter.to_hf(native))
-    tensors.update(released_draft_tensors(draft))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config_dict = config.to_dict()
-    config_dict["dtype"] = "bfloat16"
-    config_dict["text_config"]["dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    return tensors
-
-
-def load_released(model, draft, tensors: dict[str, torch.Tensor], device) -> None:
-    """Load the exported (quantized) tensors back through NeMo's own adapters, as tools/goldens/v41_golden.py does."""
-    native = model.state_dict_adapter.from_hf({k: v.clone() for k, v in tensors.items() if not k.startswith("mtp.")})
-    missing, unexpected = model.load_state_dict({k: v.float().to(device) for k, v in native.items()}, strict=False)
-    missing = [k for k in missing if "engram_hash" not in k]
-    if missing or unexpected:
-        raise RuntimeError(f"reload mismatch: missing {missing} unexpected {unexpected}")
-    mtp = {k: v.clone() for k, v in tensors.items() if k.startswith(("mtp.", "embed.", "head."))}
-    native = draft.state_dict_adapter.from_hf(mtp)
-    missing, unexpected = draft.load_state_dict({k: v.float().to(device) for k, v in native.items()}, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"draft reload mismatch: missing {missing} unexpected {unexpected}")
-    sync_draft_embeddings(model, draft)
 
 
 # ---------------------------------------------------------------------------------------------------- main

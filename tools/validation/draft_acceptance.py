@@ -11,7 +11,7 @@ continuation is an anchor; each block is then scored against the continuation as
 (the leading drafts equal to it). Two means come out:
 
 - ``every_position``: over all anchors with a whole block left, what a training run's teacher-forced protocol
-  measures (``tools/training/train_tiny_v41.py``'s ``dspark_acceptance``);
+  measures (``tools/training/tiny_v41_metrics.py``'s ``dspark_acceptance``);
 - ``engine_visited``: over the anchors speculative decoding reaches (from the first, jump past each block's
   accepted drafts and the bonus token), which is what the engine reports with fixed-length verification on the
   same prompts: easy stretches are crossed in a few long blocks, so hard ones weigh more there.
