@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -58,6 +59,18 @@ def _stop(uv, thread, loop=None):
 
 def _client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """The engine's thread, uvicorn's and the client's share this process: where OMP_NUM_THREADS gives torch a second
+    intra-op thread (conftest.py sets one unless told), it spins between ops on the core the other threads need, and
+    every step takes ~2x as long on 2 cores. Set before the module's server starts (autouse runs first in its scope),
+    restored after it stops."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
