@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from deepinfer import LLM
+from deepinfer.bench.vision import _sync
 from deepinfer.models.deepseek_v41.image_processing import preprocess_image
 
 
@@ -47,10 +48,10 @@ def median_seconds(encoders: dict, patches: torch.Tensor, rows: int, cols: int, 
     times = {name: [] for name in encoders}
     for i in range(iters + 1):  # the first round warms up
         for name, encode in encoders.items():
-            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            _sync(device)
             start = time.perf_counter()
             encode(patches, rows, cols)
-            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            _sync(device)
             if i:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}

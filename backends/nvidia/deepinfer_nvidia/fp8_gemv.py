@@ -103,7 +103,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
         w, word = w_next, next_word
     total = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # [BN, 1]
     store_split(total, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, tl.arange(0, 1), n_ok,
-                 tl.arange(0, 1) < 1, 1, N, N, SPLITS, True)
+                tl.arange(0, 1) < 1, 1, N, N, SPLITS, True)
 
 
 # One-row calls go to _fp8_gemv_kernel for bf16 activations and K in whole 4-byte words; BN rows lie in one weight

@@ -61,8 +61,9 @@ def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def counters_are_zero(device: torch.device) -> bool:
-    """Whether every arrival counter on ``device`` is back at zero (each call's last split resets its own)."""
-    return not any(counters.any() for counters in _ARRIVALS.get(device, []))
+    """Whether every arrival counter on ``device`` is back at zero (each call's last split resets its own); a
+    device no split call has run on has none (KeyError)."""
+    return not any(counters.any() for counters in _ARRIVALS[device])
 
 
 @functools.cache
