@@ -95,6 +95,28 @@ def test_decode_inputs_fast_path_equals_the_padded_generic_ones(which, tiny_v4_c
     assert pairs and all(a[:2] == b[:2] and a[2].dtype == b[2].dtype and torch.equal(a[2], b[2]) for a, b in pairs)
 
 
+def test_a_step_without_drafts_replays_a_plain_graph_where_verification_graphs_pad(tiny_v4_checkpoint):
+    """Speculative decoding's graphs pad a request to its last token and its drafts; a step in which no request
+    has drafts (the measured policy's plain steps) is padded to one row a request instead, in graphs of its own:
+    it must cost a plain step, not a verification step."""
+    model, args = _models(tiny_v4_checkpoint)[1]
+    llm = LLM(model, dtype="float32", device="cpu", block_size=16, **args)
+    for prompt in ([5, 9, 13], list(range(3, 70))):
+        llm.submit(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine = llm.engine
+    engine.scheduler.update(engine.scheduler.schedule())
+    for request in engine.scheduler.running:
+        request.token_ids.append(11)
+    decode = engine.scheduler.schedule()
+    graphs = DecodeGraphs(engine.model, engine.cache, engine.batch_builder, 8, engine.max_model_len, capture=False,
+                          tokens_per_request=4)
+    plain = graphs._shape(decode)
+    assert (plain.num_tokens, plain.tokens_per_request) == (2, 1)
+    engine.scheduler.running[0].set_drafts([7, 7, 7])
+    verification = graphs._shape(engine.scheduler.schedule())
+    assert (verification.num_tokens, verification.tokens_per_request) == (8, 4)
+
+
 def test_packed_inputs_are_aligned_views_of_one_buffer():
     """A graph's static inputs and their staging copy: one buffer each, so a step moves them with one copy."""
     inputs = StepInputs(token_ids=torch.arange(5), positions=torch.arange(5) + 7, owner=torch.arange(5),

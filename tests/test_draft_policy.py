@@ -266,6 +266,8 @@ def test_outputs_with_the_policy_are_those_without_drafts(plain_outputs, steps, 
     assert speculator.stats.num_drafts > 0 and speculator.stats.num_accepted_tokens > 0  # real acceptance
     if steps == "overlapped":  # alternating, a run of verification steps is one step long: none follows another
         assert llm.engine.overlap.launches["first" if choices == "alternating" else "following"] > 0
+    if choices == "measured":  # plain runs: plain steps launched before the one in flight was resolved
+        assert llm.engine.overlap.launches["plain"] > 0
 
 
 def test_the_floor_policy_keeps_the_load_based_floor(monkeypatch):

@@ -134,6 +134,25 @@ def test_bench_speculative_reports_each_synthetic_length_on_dummy_weights(tmp_pa
     assert result["without_drafts"]["per_step_ms"]["draft"] == 0
 
 
+def test_bench_speculative_runs_each_mode_asked_for_at_each_synthetic_length(tmp_path):
+    """``--modes`` with synthetic acceptance: the measured policy runs beside fixed length at each L, reporting its
+    choices of draft length, so its effect is measured on the weights a real drafter cannot reach (dummy ones)."""
+    import json
+
+    from deepinfer.cli import main
+
+    out = tmp_path / "speculative.json"
+    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+        main(["bench", "speculative", "--model", "deepinfer-tiny-v4.1", "--batch-sizes", "2", "--output-len", "8",
+              "--load-format", "dummy", "--synthetic-acceptance-length", "2", "--modes", "fixed_length",
+              "measured_policy", "--output-json", str(out)])
+    result = json.loads(out.read_text())["batch_2"]
+    assert set(result["speedup"]) == {"synthetic_2", "synthetic_2_measured_policy"}
+    policy = result["synthetic_2_measured_policy"]
+    assert policy["requested_acceptance_length"] == 2.0 and sum(policy["policy_choices"].values()) > 0
+    assert "policy_choices" not in result["synthetic_2"]
+
+
 def test_seeded_requests_draw_the_same_counts_in_every_run():
     """A seeded request's draws follow its seed, not its id: a benchmark's warm-up and its timed run (new request
     ids) accept the same drafts at the same steps, so the timed run meets only batch sizes the warm-up met (and

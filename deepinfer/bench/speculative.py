@@ -14,8 +14,8 @@ speculative steps that overlap the host (``engine/overlapped_speculation.py``): 
 waiting for the host. ``--modes`` runs a subset (``without_drafts`` always runs: it is every ratio's peer).
 
 ``--synthetic-acceptance-length L [L ...]`` (benchmarks only, ``EngineConfig.synthetic_acceptance_length``) runs,
-after the run without drafts, one fixed-length run per ``L`` whose drafts are drafted and verified as always but
-accepted at random for a mean acceptance length of ``L``: what speculation would gain with a drafter that good, on
+after the run without drafts, one run per ``L`` and mode of ``--modes`` (default: fixed length) whose drafts are
+drafted and verified as always but accepted at random for a mean acceptance length of ``L``: what speculation would gain with a drafter that good, on
 any weights (``--load-format dummy`` too). Their tokens are not the model's, so ``same_tokens`` is not reported.
 """
 
@@ -25,6 +25,7 @@ import argparse
 import time
 
 from deepinfer.bench.throughput import _add_common, _release, _synchronize, build_llm
+from deepinfer.runner import cuda_graphs
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -92,6 +93,7 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
     _synchronize()
     prefill = time.perf_counter() - start
     llm.engine.step_metrics.reset()
+    captures = cuda_graphs.captures
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     _synchronize()
@@ -101,6 +103,8 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
               "steps": metrics.steps, "per_step_ms": {k: round(v, 3) for k, v in metrics.per_step_ms().items()},
               "step_split_ms": step_split(metrics.per_step_ms()),
               "token_ids": [o.outputs[0].token_ids for o in outputs],
+              # CUDA graphs captured inside the timed run (seconds each): shapes its warm-up did not meet
+              "graph_captures": cuda_graphs.captures - captures,
               # verification steps launched before the host had the previous one's result
               "overlapped_steps": (overlap.launches["following"] - overlapped_before) if overlap is not None else 0}
     if stats is not None:
@@ -138,21 +142,28 @@ def run(args, vocab: int) -> dict:
             continue
         runs = {name: _run(args, batch, prompts, *mode) for name, mode in MODES.items()
                 if name == "without_drafts" or args.modes is None or name in args.modes}
-        tokens = [run.pop("token_ids") for run in runs.values()]
+        tokens = {name: run.pop("token_ids") for name, run in runs.items()}
         plain = runs["without_drafts"]["decode_tokens_per_second"]
         results[f"batch_{batch}"] = {
-            **runs, "same_tokens": all(t == tokens[0] for t in tokens),
+            **runs, "same_tokens": all(t == tokens["without_drafts"] for t in tokens.values()),
+            # per run: requests whose tokens are those of decoding without drafts
+            "same_tokens_requests": {name: sum(a == b for a, b in zip(t, tokens["without_drafts"]))
+                                     for name, t in tokens.items() if name != "without_drafts"},
             "speedup": {name: run["decode_tokens_per_second"] / plain for name, run in runs.items()
                         if name != "without_drafts"}}
     return results
 
 
 def _synthetic_runs(args, batch: int, prompts: list[str], lengths: list[float]) -> dict:
-    """Without drafts, then fixed-length drafts accepted at random for each requested mean acceptance length."""
+    """Without drafts, then for each requested mean acceptance length one run per mode of ``--modes`` (fixed length
+    alone by default) whose drafts are accepted at random: ``synthetic_L`` fixed length, ``synthetic_L_MODE`` the
+    others (the measured policy's choice of draft length on these weights, at this acceptance)."""
     runs = {"without_drafts": _run(args, batch, prompts, *MODES["without_drafts"])}
     for length in lengths:
-        runs[f"synthetic_{length:g}"] = {"requested_acceptance_length": length,
-                                         **_run(args, batch, prompts, *MODES["fixed_length"], synthetic=length)}
+        for mode in args.modes or ["fixed_length"]:
+            name = f"synthetic_{length:g}" + ("" if mode == "fixed_length" else f"_{mode}")
+            runs[name] = {"requested_acceptance_length": length,
+                          **_run(args, batch, prompts, *MODES[mode], synthetic=length)}
     for run in runs.values():
         run.pop("token_ids")
     plain = runs["without_drafts"]["decode_tokens_per_second"]
@@ -168,7 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", choices=[m for m in MODES if m != "without_drafts"],
                         help="the runs with drafts to time (default: all); the run without drafts always runs")
     parser.add_argument("--synthetic-acceptance-length", type=float, nargs="+", metavar="L",
-                        help="benchmarks only: instead of the real runs with drafts, one fixed-length run per L whose "
-                             "drafts are accepted at random for a mean acceptance length of L (outputs are not the "
-                             "model's; --load-format dummy allowed)")
+                        help="benchmarks only: instead of the real runs with drafts, one run per L and mode of --modes "
+                             "(default: fixed length) whose drafts are accepted at random for a mean acceptance length "
+                             "of L (outputs are not the model's; --load-format dummy allowed)")
     parser.set_defaults(run=run)

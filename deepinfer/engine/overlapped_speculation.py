@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer.runner import cuda_graphs
 from deepinfer.runner.cuda_graphs import StepTail
 from deepinfer.engine.output_processor import host_lists
 from deepinfer.runtime.request import Request
@@ -43,7 +44,7 @@ from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling
 from deepinfer.engine import draft_policy
 from deepinfer.engine.speculation import (accepted_counts, draft_room, drafts_in_accepted_rows, synthetic_key,
                                           verified_lengths)
-from deepinfer.engine.steps import SpeculativeSteps, StepContext
+from deepinfer.engine.steps import DecodeSteps, SpeculativeSteps, StepContext
 from deepinfer.runtime.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
 
@@ -119,18 +120,30 @@ class OverlappedSpeculation:
         self.speculator = synchronous.speculator
         self.rows = 1 + self.speculator.max_drafts
         self.inflight: SpeculativeInFlight | None = None
-        self.launches = Counter()  # "first" of a steady run, "following" a step in flight
+        # "first" of a steady run, "following" a step in flight; "plain": the policy's plain steps (no drafts)
+        # launched before the step in flight was resolved
+        self.launches = Counter()
         # the measured policy's clock: when the step in flight was launched, and what the host spent drafting for it
         # before (a run's first step verifies the host's drafts)
         self.last_launch: float | None = None
+        self.launch_captures = 0  # ``cuda_graphs.captures`` at that launch: a period with a capture is not booked
         self.host_draft_seconds = 0.0
         self._plain_next = False  # the policy ended the steady run: the step resolved next keeps no drafts
+        # the measured policy's plain steps (no drafts), launched before the host resolves the step in flight as
+        # decoding without drafts is; their rows reach the drafter on the device (``Drafter.store_on_device``),
+        # so drafting resumes after any of them. Without that method plain steps wait for their result.
+        drafter = self.speculator.drafter
+        self.plain = (DecodeSteps(context, asynchronous=True, after_sampling=self._store_plain)
+                      if self.speculator.policy is not None and hasattr(drafter, "store_on_device") else None)
+        self.plain_launch: tuple[float, int, int] | None = None  # (time, captures, requests) of the last plain launch
 
     @property
     def in_flight(self) -> bool:
-        return self.inflight is not None
+        return self.inflight is not None or (self.plain is not None and self.plain.in_flight)
 
     def step(self) -> list[Request]:
+        if self.plain is not None and self.plain.in_flight:
+            return self._plain_step()
         context, previous = self.context, self.inflight
         if previous is not None:
             scheduled = self._schedule_after(previous)
@@ -147,7 +160,62 @@ class OverlappedSpeculation:
         if scheduled and self._can_launch(scheduled):
             self.inflight = self._launch(scheduled, None)
             return finished
+        if self.plain is not None and self.speculator.pending_choice == 0 and scheduled and _plain(scheduled):
+            return finished + self._launch_plain(scheduled)
         return finished + self.synchronous.run(scheduled)
+
+    # -- plain steps (the measured policy's k = 0) --------------------------------------------------
+    def _plain_step(self) -> list[Request]:
+        """A plain run goes on while the policy keeps choosing no drafts and every running request decodes
+        (nothing arrives, no prefill chunk): the next plain step is launched before the one in flight is resolved.
+        Otherwise the run ends: the step in flight is resolved and drafted from (at the length the policy chose
+        here, if it did), and the next call steps as usual."""
+        context, s = self.context, self.speculator
+        scheduler = context.scheduler
+        running, chosen = scheduler.running, None
+        if running and not scheduler.waiting and all(r.num_pending == 1 and not r.num_drafts for r in running):
+            chosen, _ = draft_policy.choose(s.policy, len(running), s.policy_choices)
+            if chosen == 0:
+                scheduled = context.schedule()
+                if scheduled and not _plain(scheduled):  # the checks above are what the scheduler schedules from
+                    raise RuntimeError("a plain run's step was scheduled with other than one row per decoding "
+                                       "request")
+                return self._launch_plain(scheduled)
+        finished = self.plain.resolve()
+        self._book_plain(time.perf_counter())  # the run's last step: from its launch until its result is booked
+        self.plain_launch = None
+        s.draft(scheduler.running, [], None, chosen)
+        return finished
+
+    def _launch_plain(self, scheduled: ScheduledBatch) -> list[Request]:
+        """Launches ``scheduled`` as a plain step and books the step before it in the run: launch to launch."""
+        s, now = self.speculator, time.perf_counter()
+        if not scheduled:  # nothing could be scheduled: the step in flight is resolved, the run's timing ends
+            finished = self.plain.run(scheduled)
+            self._book_plain(time.perf_counter())
+            self.plain_launch = None
+            return finished
+        self._book_plain(now)
+        if self.plain.in_flight:
+            self.launches["plain"] += 1
+        s.pending_choice = None  # timed here, not as a synchronous step
+        self.plain_launch = (now, cuda_graphs.captures, len(scheduled))
+        return self.plain.run(scheduled)
+
+    def _book_plain(self, now: float) -> None:
+        """The last plain launch's step, under no drafts: until ``now``, unless a graph was captured meanwhile."""
+        if self.plain_launch is not None:
+            then, captures, requests = self.plain_launch
+            if captures == cuda_graphs.captures:
+                draft_policy.record_cost(self.speculator.policy, requests, 0, now - then)
+
+    def _store_plain(self, scheduled: ScheduledBatch, sampled: torch.Tensor, features: torch.Tensor | None) -> None:
+        """A plain step's rows into the drafter's state, queued behind its sampling (``DecodeSteps.after_sampling``)."""
+        requests = scheduled.requests
+        live = iter(self.speculator.drafter.device_slots([r for r in requests if not r.finished]))
+        slots = [-1 if r.finished else next(live) for r in requests]
+        index = to_device(torch.tensor([slots, [row.start for row in scheduled]], dtype=torch.int64), sampled.device)
+        self.speculator.drafter.store_on_device(index[0], index[1], sampled, features)
 
     # -- which steps ------------------------------------------------------------------------------
     def _device_ready(self, request: Request) -> bool:
@@ -175,8 +243,8 @@ class OverlappedSpeculation:
             k, _ = draft_policy.choose(s.policy, len(requests), s.policy_choices)
             if k == 0:  # plain decoding next: the steady run ends, its last drafts are dropped unverified
                 self._plain_next = True
-                # the next (synchronous) step is booked under 0; its drafts' pass ran in this step's period
-                s.pending_choice, s.pending_draft_seconds = 0, 0.0
+                # the next step is booked under 0; its drafts' pass ran in this step's period
+                s.pending_choice, s.pending_draft_seconds, s.pending_captures = 0, 0.0, cuda_graphs.captures
                 return None
         return self.context.scheduler.schedule_ahead(requests, self.rows)
 
@@ -193,7 +261,7 @@ class OverlappedSpeculation:
         # a run's first step verifies the host's drafts, drafted (and timed) by the synchronous step before
         self.host_draft_seconds = s.pending_draft_seconds if previous is None else 0.0
         s.pending_choice = None  # this step is timed here, not as a synchronous step
-        self.last_launch = time.perf_counter()
+        self.last_launch, self.launch_captures = time.perf_counter(), cuda_graphs.captures
         if previous is not None:
             index = {id(r): i for i, r in enumerate(previous.requests)}
             source = to_device(torch.tensor([index[id(r)] for r in requests], dtype=torch.int64), device)
@@ -305,7 +373,7 @@ class OverlappedSpeculation:
     def _time_step(self, inflight: SpeculativeInFlight) -> None:
         """Books ``inflight``'s time for the measured policy, under the longest drafts (what a padded step
         verifies): from its launch to the next launch, or to its booking where the run ends with it."""
-        if self.speculator.policy is None or self.last_launch is None:
+        if self.speculator.policy is None or self.last_launch is None or self.launch_captures != cuda_graphs.captures:
             return
         seconds = time.perf_counter() - self.last_launch + self.host_draft_seconds
         draft_policy.record_cost(self.speculator.policy, len(inflight.requests), self.speculator.max_drafts, seconds)
@@ -343,3 +411,8 @@ class OverlappedSpeculation:
         context.count_finished(finished)
         context.clock.lap("outputs")
         return finished
+
+
+def _plain(scheduled: ScheduledBatch) -> bool:
+    """One row per request, sampled, no drafts: a step a plain run may launch."""
+    return all(row.samples and row.count == 1 and not row.drafts for row in scheduled)

@@ -31,6 +31,7 @@ import torch
 
 from deepinfer.engine import draft_policy
 from deepinfer.engine.draft_policy import DraftPolicy
+from deepinfer.runner import cuda_graphs
 from deepinfer.runner.grammar_masks import allowed_drafts
 from deepinfer.runtime.request import Request
 from deepinfer.logger import init_logger
@@ -238,6 +239,7 @@ class Speculator:
         # the length chosen for the next step and what drafting for it cost: booked with that step's time
         self.pending_choice: int | None = None
         self.pending_draft_seconds = 0.0
+        self.pending_captures = 0  # ``cuda_graphs.captures`` as drafting for the step began
 
     def floor(self, decoding: int) -> float | None:
         """The per-request survival floor of a step of ``decoding`` requests (None: no confidence scheduling). With
@@ -251,31 +253,36 @@ class Speculator:
 
     def record_step(self, scheduled, accepted: list[int], seconds: float) -> None:
         """A synchronous step's time and its requests' accepted drafts, for the measured policy. Only decode-only
-        steps drafted for by the policy are timed: a prefill chunk's cost says nothing about a draft length's."""
+        steps drafted for by the policy are timed: a prefill chunk's cost says nothing about a draft length's, nor
+        does a step that captured a CUDA graph (seconds, once) about its replays'."""
         if self.policy is None:
             return
         choice, self.pending_choice = self.pending_choice, None
         if choice:
             draft_policy.record_acceptance(self.policy, choice, accepted)
         decode_only = all(row.samples and row.count == row.drafts + 1 for row in scheduled)
-        if choice is not None and decode_only and scheduled:
+        if choice is not None and decode_only and scheduled and cuda_graphs.captures == self.pending_captures:
             draft_policy.record_cost(self.policy, len(scheduled), choice, seconds + self.pending_draft_seconds)
 
     def synthetic_counts(self, keys: torch.Tensor, positions: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
         """``synthetic_accepted`` at this engine's rate."""
         return synthetic_accepted(keys, positions, limits, self.synthetic_rate, self.max_drafts)
 
-    def draft(self, running: list[Request], computed: list[ComputedRows], features: torch.Tensor | None) -> None:
-        """``features``: the last step's ``ForwardOutput.features``, which ``computed`` indexes."""
+    def draft(self, running: list[Request], computed: list[ComputedRows], features: torch.Tensor | None,
+              chosen: int | None = None) -> None:
+        """``features``: the last step's ``ForwardOutput.features``, which ``computed`` indexes. ``chosen``: the
+        draft length the measured policy already chose for the next step (where a plain run ends)."""
         candidates = [r for r in running if r.num_pending == 1 and not r.finished]  # no drafts pending
         rooms = {r: room for r in candidates if (room := draft_room(self.end(r), len(r.token_ids))) > 0}
         decoding = list(rooms)
         if not decoding and not computed:
             return
         started = time.perf_counter()
+        self.pending_captures = cuda_graphs.captures
         limit = self.max_drafts
         if self.policy is not None and decoding:
-            limit, _ = draft_policy.choose(self.policy, len(decoding), self.policy_choices)
+            limit = chosen if chosen is not None else draft_policy.choose(self.policy, len(decoding),
+                                                                          self.policy_choices)[0]
             self.pending_choice = limit
             if limit == 0:  # plain decoding next: the drafter only keeps what was computed, no draft pass
                 self.drafter.propose([], computed, features)

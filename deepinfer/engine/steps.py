@@ -75,9 +75,12 @@ class DecodeSteps:
     on the host first when a model or a sampling penalty needs their values; otherwise each step waits for its
     own tokens."""
 
-    def __init__(self, context: StepContext, asynchronous: bool):
+    def __init__(self, context: StepContext, asynchronous: bool, after_sampling=None):
         self.context, self.asynchronous = context, asynchronous
         self.inflight: InFlight | None = None
+        # (scheduled, sampled on the device, the forward's features) as each step's sampling is queued: the plain
+        # steps of speculative decoding store their rows for the drafter there (``OverlappedSpeculation``)
+        self.after_sampling = after_sampling
 
     @property
     def in_flight(self) -> bool:
@@ -111,8 +114,10 @@ class DecodeSteps:
                 # a grammar's mask needs the previous token accepted: the previous step is resolved now, while
                 # the device runs this step's forward pass (a request it finishes has a row here, discarded later)
                 finished += self.resolve()
-            launched = InFlight.launch(sampling_requests, runner.sample(forward.logits, rows), forward.started,
-                                       clock)
+            sampled = runner.sample(forward.logits, rows)
+            if self.after_sampling is not None:
+                self.after_sampling(scheduled, sampled.token_ids, forward.features)
+            launched = InFlight.launch(sampling_requests, sampled, forward.started, clock)
             clock.lap("sample")
         if self.inflight is not None:  # the previous step's tokens, while the device runs this one
             finished += self.resolve()

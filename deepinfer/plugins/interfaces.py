@@ -356,6 +356,11 @@ class Drafter(Protocol):
     # the drafts follow; ``features`` [B * rows, F] are the step's ``ModelOutput.features`` (or None). ``slots``
     # [B] are ``device_slots``' values, -1 for the graph's padding requests, whose outputs are ignored and whose
     # writes must not touch any request's state.
+    #
+    # Optional, with those two: ``store_on_device(slots, positions, sampled, features) -> None``, a plain step's
+    # rows into the drafter's state without a draft pass: one row per request at ``positions`` [B], ``sampled``
+    # [B] the token after each, ``features`` [B, F]. Device work queued behind the step (no host reads); with it,
+    # the plain steps the measured draft policy chooses overlap the host as decoding without drafts does.
 
 
 class PrefillTruncation(Protocol):

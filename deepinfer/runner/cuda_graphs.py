@@ -71,10 +71,17 @@ class StepTail:
     key: Hashable
 
 
+# graphs captured in this process so far: a step during which this changed spent seconds capturing (and tuning), so
+# its time says nothing of what replaying it costs (the measured draft policy books no such step)
+captures = 0
+
+
 def capture_graph(run, pool, what: str) -> tuple[torch.cuda.CUDAGraph, object]:
     """``run()`` once eagerly (it tunes the Triton kernels outside the capture, and writes what the replay then
     rewrites), then captured into a graph allocating from ``pool``; returns the graph and ``run``'s outputs,
     which each replay rewrites."""
+    global captures
+    captures += 1
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -99,7 +106,7 @@ class DecodeGraphs:
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [min(max_batch, BATCH_SIZES[-1])]
         self.max_model_len = max_model_len
         self.ratios = list(model.compressed_ratios())
-        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.graphs: dict[tuple, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.steps = 0  # steps run padded, replayed or (``capture=False``) eagerly: what tests count
 
@@ -109,8 +116,16 @@ class DecodeGraphs:
         q = self.tokens_per_request
         return len(scheduled) <= self.sizes[-1] and all(row.count <= q and row.samples for row in scheduled)
 
-    def _shape(self, scheduled: ScheduledBatch) -> PaddedShape:
-        q = self.tokens_per_request
+    def _rows_per_request(self, scheduled: ScheduledBatch, tail: StepTail | None) -> int:
+        """A request's rows in this step's graph: one where every request has only its last token (speculative
+        decoding's steps without drafts replay a plain step's graph, not a verification step's at the cost of
+        ``tokens_per_request`` rows a request), ``tokens_per_request`` otherwise."""
+        if tail is None and all(row.count == 1 for row in scheduled):
+            return 1
+        return self.tokens_per_request
+
+    def _shape(self, scheduled: ScheduledBatch, tail: StepTail | None = None) -> PaddedShape:
+        q = self._rows_per_request(scheduled, tail)
         size = self.padded_requests(len(scheduled))
         longest = max(row.start + q for row in scheduled)  # the padding rows' positions too
         context = 1 << (longest - 1).bit_length()
@@ -144,7 +159,7 @@ class DecodeGraphs:
 
     def _replay(self, scheduled: ScheduledBatch, before_launch, values_on_device: bool, tail: StepTail | None):
         self.steps += 1
-        shape = self._shape(scheduled)
+        shape = self._shape(scheduled, tail)
         inputs = self.builder.inputs(scheduled, shape, values_on_device)
         if tail is not None:
             inputs.tail = tail.inputs
@@ -153,7 +168,7 @@ class DecodeGraphs:
             inputs = inputs.to(self.builder.device)
             before_launch(inputs)
             return run(inputs)
-        key = (shape.num_tokens, shape.blocks, None if tail is None else tail.key)
+        key = (shape.num_tokens, shape.tokens_per_request, shape.blocks, None if tail is None else tail.key)
         captured = self.graphs.get(key)
         if captured is None:
             captured = self.graphs[key] = self._capture(inputs, before_launch, run)
@@ -167,8 +182,8 @@ class DecodeGraphs:
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The real rows' logits and features, in step order. One token per request: a slice, no index to copy
         in the decode step."""
-        rows = (slice(0, len(scheduled)) if self.tokens_per_request == 1 else
-                to_device(real_rows(scheduled, self.tokens_per_request), hidden.device))
+        q = self._rows_per_request(scheduled, None)
+        rows = slice(0, len(scheduled)) if q == 1 else to_device(real_rows(scheduled, q), hidden.device)
         return self.model.project_vocab(hidden[rows]), None if features is None else features[rows]
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -27,7 +27,8 @@ class PooledDrafter:
         self.graphs = DraftGraphs(self._draft, batch_sizes, self.pool.empty, self.device)
 
     def propose(self, requests: list, computed: list[ComputedRows], features: torch.Tensor | None) -> list[Draft]:
-        self._store(computed, features)
+        if computed:  # none after plain steps that stored their rows on the device (``store_on_device``)
+            self._store(computed, features)
         self.pool.release_finished()
         if not requests:
             return []
@@ -64,6 +65,14 @@ class PooledDrafter:
         last = sampled.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
         outputs = self._draft(torch.stack([last, positions + kept + 1 - self.anchor_back, slots]))
         return outputs[0], outputs[1] if len(outputs) > 1 else None
+
+    def store_on_device(self, slots: torch.Tensor, positions: torch.Tensor, sampled: torch.Tensor,
+                        features: torch.Tensor | None) -> None:
+        """``Drafter.store_on_device``: a plain step's rows (one a request) into the pool, no draft pass; a slot
+        of -1 (a request already finished) writes to the empty slot."""
+        slots = torch.where(slots < 0, self.pool.empty, slots)
+        rows = torch.arange(len(slots), device=positions.device)
+        self._write(features, rows, positions, slots, sampled, slots, rows)
 
     def _store(self, computed: list[ComputedRows], features: torch.Tensor | None) -> None:
         raise NotImplementedError
