@@ -260,3 +260,26 @@ def test_thinking_mode_returns_reasoning_content(client):
     reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in chunks)
     assert reasoning == whole.reasoning_content and "</think>" not in reasoning
     assert "".join(d.content or "" for d in chunks) == whole.content
+
+
+def test_a_stream_behind_by_several_steps_takes_every_waiting_delta_at_once():
+    """A stream's deltas that queued while it was sending go out in one write: ``_Run.queued`` takes what waits
+    (and only that), in order, counting the finished choice; an error the loop sent is raised in its turn."""
+    from deepinfer.serve.app import _Run
+    from deepinfer.serve.engine_loop import Delta
+    from deepinfer.serve.errors import APIError
+
+    async def scenario():
+        events = asyncio.Queue()
+        run = _Run([argparse.Namespace(params=SamplingParams(n=2))], events, prompt_tokens=3)
+        for delta in (Delta(0, "a", 1), Delta(1, "b", 1), Delta(0, "c", 2, finish_reason="length")):
+            events.put_nowait((0, delta))
+        first = await run.next()
+        rest = run.queued()
+        assert [(choice, d.text) for choice, d in [first, *rest]] == [(0, "a"), (1, "b"), (0, "c")]
+        assert run.queued() == [] and run.open == 1 and run.completion_tokens == 2
+        events.put_nowait((0, APIError(500, "the engine failed")))
+        with pytest.raises(APIError, match="the engine failed"):
+            run.queued()
+
+    asyncio.run(scenario())

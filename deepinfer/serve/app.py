@@ -128,7 +128,16 @@ class _Run:
 
     async def next(self) -> tuple[int, Delta]:
         """The next delta as (choice index, delta); an ``APIError`` the loop sent is raised."""
-        index, event = await self.events.get()
+        return self._take(*await self.events.get())
+
+    def queued(self) -> list[tuple[int, Delta]]:
+        """The deltas already waiting, without waiting for more (a stream that fell behind sends them at once)."""
+        taken = []
+        while self.open and not self.events.empty():
+            taken.append(self._take(*self.events.get_nowait()))
+        return taken
+
+    def _take(self, index: int, event) -> tuple[int, Delta]:
         if isinstance(event, APIError):
             raise event
         if event.finish_reason is not None:
@@ -186,9 +195,11 @@ def _stream(response, run: _Run, loop: EngineLoop) -> StreamingResponse:
             for chunk in response.opening():
                 yield _sse(chunk)
             while run.open:
-                choice, delta = await run.next()
-                for chunk in response.chunks(choice, delta):
-                    yield _sse(chunk)
+                # one write for every delta that is waiting: a client behind by several steps costs one send
+                deltas = [await run.next()] + run.queued()
+                payload = "".join(_sse(chunk) for choice, delta in deltas for chunk in response.chunks(choice, delta))
+                if payload:
+                    yield payload
             if response.include_usage:
                 yield _sse(response.chunk([], usage=usage(run)))
             yield "data: [DONE]\n\n"
