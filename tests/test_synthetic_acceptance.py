@@ -150,6 +150,8 @@ def test_bench_speculative_runs_each_mode_asked_for_at_each_synthetic_length(tmp
     assert set(result["speedup"]) == {"synthetic_2", "synthetic_2_measured_policy"}
     policy = result["synthetic_2_measured_policy"]
     assert policy["requested_acceptance_length"] == 2.0 and sum(policy["policy_choices"].values()) > 0
+    assert policy["policy_costs_ms"] and all(ms > 0 for ms in policy["policy_costs_ms"].values())
+    assert len(policy["policy_acceptance"]) == 5
     assert "policy_choices" not in result["synthetic_2"]
 
 

@@ -120,6 +120,10 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
         chosen = policy_state.chosen - chosen_before
         result["policy_choices"] = {f"{k} ({reason})": n for (reason, k), n in sorted(chosen.items(),
                                                                                        key=lambda item: item[0][1])}
+        # what the choices rested on at the end: each (batch bucket, length)'s booked cost, the acceptance
+        result["policy_costs_ms"] = {f"b{bucket}/k{k}": round(seconds * 1e3, 3)
+                                     for (bucket, k), seconds in sorted(policy_state.costs.items())}
+        result["policy_acceptance"] = [round(a, 3) for a in policy_state.acceptance]
     del llm
     _release()
     return result
