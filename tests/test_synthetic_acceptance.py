@@ -152,6 +152,7 @@ def test_bench_speculative_runs_each_mode_asked_for_at_each_synthetic_length(tmp
     assert policy["requested_acceptance_length"] == 2.0 and sum(policy["policy_choices"].values()) > 0
     assert policy["policy_costs_ms"] and all(ms > 0 for ms in policy["policy_costs_ms"].values())
     assert len(policy["policy_acceptance"]) == 5
+    assert policy["warmups"] == 1 and policy["graph_captures"] == 0  # no graphs on a CPU: one warm-up suffices
     assert "policy_choices" not in result["synthetic_2"]
 
 

@@ -64,8 +64,8 @@ class Submission:
 
 
 def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
-    for queue, item in events:
-        queue.put_nowait(item)
+    for destination, item in events:
+        destination.put_nowait(item)
 
 
 class Overloaded(APIError):
