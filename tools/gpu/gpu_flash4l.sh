@@ -29,7 +29,7 @@
 #   (openai: the test extra's; build.sh stops without it, and the install section then installs the packages alone)
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .wheels rpds-py xgrammar \
-#       pydantic-core==2.50.5 apache-tvm-ffi jiter
+#       pydantic-core==2.50.5 apache-tvm-ffi jiter httptools uvloop
 set -uo pipefail
 sections=",$1,"
 # the device tool returns a few files only: results go to one archive, repacked as each section starts
