@@ -110,6 +110,18 @@ class SpeculativeInFlight:
         return self.batch.requests
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A launched step the measured policy has yet to book: when, ``cuda_graphs.captures`` then, its requests, the
+    drafts booked for it, and the host's drafting for it before its launch."""
+
+    at: float
+    captures: int
+    requests: int
+    drafts: int
+    draft_seconds: float
+
+
 class OverlappedSpeculation:
     """A step mode (``engine/steps.py``): steady runs of verification steps stay on the device; every other step
     is one of ``synchronous``'s."""
@@ -123,11 +135,7 @@ class OverlappedSpeculation:
         # "first" of a steady run, "following" a step in flight; "plain": the policy's plain steps (no drafts)
         # launched before the step in flight was resolved
         self.launches = Counter()
-        # the measured policy's clock: when the step in flight was launched, and what the host spent drafting for it
-        # before (a run's first step verifies the host's drafts)
-        self.last_launch: float | None = None
-        self.launch_captures = 0  # ``cuda_graphs.captures`` at that launch: a period with a capture is not booked
-        self.host_draft_seconds = 0.0
+        self.launched: _Launched | None = None  # the measured policy's clock: the last step launched, not yet booked
         self._plain_next = False  # the policy ended the steady run: the step resolved next keeps no drafts
         # the measured policy's plain steps (no drafts), launched before the host resolves the step in flight as
         # decoding without drafts is; their rows reach the drafter on the device (``Drafter.store_on_device``),
@@ -135,7 +143,6 @@ class OverlappedSpeculation:
         drafter = self.speculator.drafter
         self.plain = (DecodeSteps(context, asynchronous=True, after_sampling=self._store_plain)
                       if self.speculator.policy is not None and hasattr(drafter, "store_on_device") else None)
-        self.plain_launch: tuple[float, int, int] | None = None  # (time, captures, requests) of the last plain launch
 
     @property
     def in_flight(self) -> bool:
@@ -152,8 +159,8 @@ class OverlappedSpeculation:
                 self.inflight = self._launch(scheduled, previous)
                 return self._resolve(previous)
             finished = self._resolve(previous, keep_drafts=not self._plain_next)
-            self._time_step(previous)  # the run's last step: launched until booked
-            self.inflight, self.last_launch = None, None
+            self._book_launched()  # the run's last step: launched until booked
+            self.inflight = None
         else:
             finished = []
         scheduled = context.schedule()
@@ -182,32 +189,22 @@ class OverlappedSpeculation:
                                        "request")
                 return self._launch_plain(scheduled)
         finished = self.plain.resolve()
-        self._book_plain(time.perf_counter())  # the run's last step: from its launch until its result is booked
-        self.plain_launch = None
+        self._book_launched()  # the run's last step: from its launch until its result is booked
         s.draft(scheduler.running, [], None, chosen)
         return finished
 
     def _launch_plain(self, scheduled: ScheduledBatch) -> list[Request]:
         """Launches ``scheduled`` as a plain step and books the step before it in the run: launch to launch."""
-        s, now = self.speculator, time.perf_counter()
         if not scheduled:  # nothing could be scheduled: the step in flight is resolved, the run's timing ends
             finished = self.plain.run(scheduled)
-            self._book_plain(time.perf_counter())
-            self.plain_launch = None
+            self._book_launched()
             return finished
-        self._book_plain(now)
+        self._book_launched()
         if self.plain.in_flight:
             self.launches["plain"] += 1
-        s.pending_choice = None  # timed here, not as a synchronous step
-        self.plain_launch = (now, cuda_graphs.captures, len(scheduled))
+        self.speculator.pending_choice = None  # timed here, not as a synchronous step
+        self._note_launch(len(scheduled), 0)
         return self.plain.run(scheduled)
-
-    def _book_plain(self, now: float) -> None:
-        """The last plain launch's step, under no drafts: until ``now``, unless a graph was captured meanwhile."""
-        if self.plain_launch is not None:
-            then, captures, requests = self.plain_launch
-            if captures == cuda_graphs.captures:
-                draft_policy.record_cost(self.speculator.policy, requests, 0, now - then)
 
     def _store_plain(self, scheduled: ScheduledBatch, sampled: torch.Tensor, features: torch.Tensor | None) -> None:
         """A plain step's rows into the drafter's state, queued behind its sampling (``DecodeSteps.after_sampling``)."""
@@ -255,13 +252,12 @@ class OverlappedSpeculation:
         requests = scheduled.requests
         self.context.count_step()
         self.launches["following" if previous is not None else "first"] += 1
-        if previous is not None:
-            self._time_step(previous)  # a steady step's period: launch to launch
+        self._book_launched()  # a steady run's step before: launch to launch
         s = self.speculator
-        # a run's first step verifies the host's drafts, drafted (and timed) by the synchronous step before
-        self.host_draft_seconds = s.pending_draft_seconds if previous is None else 0.0
         s.pending_choice = None  # this step is timed here, not as a synchronous step
-        self.last_launch, self.launch_captures = time.perf_counter(), cuda_graphs.captures
+        # padded, it verifies the longest drafts; a run's first step verifies the host's drafts, drafted (and
+        # timed) by the synchronous step before
+        self._note_launch(count, s.max_drafts, s.pending_draft_seconds if previous is None else 0.0)
         if previous is not None:
             index = {id(r): i for i, r in enumerate(previous.requests)}
             source = to_device(torch.tensor([index[id(r)] for r in requests], dtype=torch.int64), device)
@@ -370,13 +366,18 @@ class OverlappedSpeculation:
         per_row.copy_(ids.unfold(1, h, 1)[:, :rows])
         return ids
 
-    def _time_step(self, inflight: SpeculativeInFlight) -> None:
-        """Books ``inflight``'s time for the measured policy, under the longest drafts (what a padded step
-        verifies): from its launch to the next launch, or to its booking where the run ends with it."""
-        if self.speculator.policy is None or self.last_launch is None or self.launch_captures != cuda_graphs.captures:
-            return
-        seconds = time.perf_counter() - self.last_launch + self.host_draft_seconds
-        draft_policy.record_cost(self.speculator.policy, len(inflight.requests), self.speculator.max_drafts, seconds)
+    # -- the measured policy's clock --------------------------------------------------------------
+    def _note_launch(self, requests: int, drafts: int, draft_seconds: float = 0.0) -> None:
+        if self.speculator.policy is not None:
+            self.launched = _Launched(time.perf_counter(), cuda_graphs.captures, requests, drafts, draft_seconds)
+
+    def _book_launched(self) -> None:
+        """Books the last launched step for the measured policy: from its launch until now (the next launch, or
+        its result booked where its run ends), unless a CUDA graph was captured meanwhile."""
+        launched, self.launched = self.launched, None
+        if launched is not None and launched.captures == cuda_graphs.captures:
+            seconds = time.perf_counter() - launched.at + launched.draft_seconds
+            draft_policy.record_cost(self.speculator.policy, launched.requests, launched.drafts, seconds)
 
     # -- the host's side --------------------------------------------------------------------------
     def _resolve(self, inflight: SpeculativeInFlight, keep_drafts: bool = True) -> list[Request]:

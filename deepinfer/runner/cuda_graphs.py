@@ -182,7 +182,7 @@ class DecodeGraphs:
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The real rows' logits and features, in step order. One token per request: a slice, no index to copy
         in the decode step."""
-        q = self._rows_per_request(scheduled, None)
+        q = hidden.shape[0] // self.padded_requests(len(scheduled))  # the replayed graph's rows a request
         rows = slice(0, len(scheduled)) if q == 1 else to_device(real_rows(scheduled, q), hidden.device)
         return self.model.project_vocab(hidden[rows]), None if features is None else features[rows]
 
