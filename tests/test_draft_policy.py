@@ -130,6 +130,25 @@ def test_probes_re_time_the_other_lengths_within_the_budget_on_a_fixed_schedule(
     assert run(400)[1] == made
 
 
+def test_a_probe_is_held_until_its_length_is_timed_or_for_probe_hold_decisions():
+    """The overlapped steps time a length only inside a run of it, so a probe goes on until booked; the
+    acceptance a step books meanwhile (which moves the due time) does not cut it short; a length that cannot be
+    timed is let go after PROBE_HOLD decisions."""
+    choices = (0, 1, 2, 3)
+    policy = _measured(3, 4, DEAR_ROWS, 0.1)
+    made = [choose(policy, 4, choices) for _ in range(400)]
+    first = next(i for i, (_, reason) in enumerate(made) if reason == "probe")
+    probed = made[first][0]
+    assert made[first:first + draft_policy.PROBE_HOLD] == [(probed, "probe")] * draft_policy.PROBE_HOLD
+    assert made[first + draft_policy.PROBE_HOLD] == (0, "best")  # let go, and due again only after its interval
+    policy = _measured(3, 4, DEAR_ROWS, 0.1)
+    made = [choose(policy, 4, choices) for _ in range(first + 1)]
+    record_acceptance(policy, 3, [0] * 64)  # the rates move: no longer due, but held
+    assert choose(policy, 4, choices) == (probed, "probe")
+    record_cost(policy, 4, probed, DEAR_ROWS(probed))  # timed: the hold ends
+    assert choose(policy, 4, choices) == (0, "best")
+
+
 def test_a_length_as_good_as_the_best_is_re_timed_every_min_probe_interval():
     # k = 1 always accepted: 2 tokens for twice a plain step's cost, less the margin drafts must clear: a tie
     policy = _measured(1, 2, lambda k: 0.02 / (1 + draft_policy.DRAFT_MARGIN) if k else 0.01, 1.0)
@@ -262,7 +281,9 @@ def test_outputs_with_the_policy_are_those_without_drafts(plain_outputs, steps, 
         assert [o.outputs[0].token_ids for o in outputs] == plain_outputs[name], name
     policy = speculator.policy
     timed = {k for (_, k) in policy.costs}
-    assert 0 in timed and 3 in timed  # plain steps and the longest drafts were both run and timed
+    # plain steps and the longest drafts were both run and timed; alternating, the overlapped steps' runs of drafts
+    # are one step long, and the clock books only periods inside a run (the next test)
+    assert timed == {0} if (steps, choices) == ("overlapped", "alternating") else {0, 3} <= timed
     assert speculator.stats.num_drafts > 0 and speculator.stats.num_accepted_tokens > 0  # real acceptance
     if steps == "overlapped":  # alternating, a run of verification steps is one step long: none follows another
         assert llm.engine.overlap.launches["first" if choices == "alternating" else "following"] > 0
@@ -299,3 +320,50 @@ def test_drafts_must_clear_the_margin():
     assert best_length(policy, 8, (0, 1)) == 0
     policy = _measured(1, 8, lambda k: 0.02 / (2 * gain) if k else 0.01, 1.0)
     assert best_length(policy, 8, (0, 1)) == 1
+
+
+def test_overlapped_steps_book_only_a_run_s_steady_periods(monkeypatch):
+    """The overlapped steps' clock books a step launch to launch inside its run: a run of n steps of one length
+    books n - 2 (its first period is the host's launching alone, its last step's time a whole latency), and the
+    warm-up repeats a length until it is booked, so both plain steps and drafts get steady samples."""
+    from deepinfer import SamplingParams
+    from deepinfer.engine import overlapped_speculation
+
+    pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
+    llm = _embedded(enable_mtp_varlen=True, speculation_policy="measured", num_speculative_tokens=3,
+                    cuda_graphs="padded-eager")
+    overlap = llm.engine.overlap
+    # (drafts, began its run) per launch; drafts per booking of this clock (a synchronous step between runs, where
+    # the drafter cut every draft, books its own time: SpeculativeSteps' rule)
+    launches, booked, booking = [], [], []
+    note, book, record = overlap._note_launch, overlap._book_launched, draft_policy.record_cost
+
+    def noting(requests, drafts, first):
+        launches.append((drafts, first))
+        note(requests, drafts, first)
+
+    def booking_launched():
+        booking.append(True)
+        book()
+        booking.pop()
+
+    def recording(policy, requests, k, seconds):
+        if booking:
+            booked.append(k)
+        record(policy, requests, k, seconds)
+
+    monkeypatch.setattr(overlap, "_note_launch", noting)
+    monkeypatch.setattr(overlap, "_book_launched", booking_launched)
+    monkeypatch.setattr(overlapped_speculation.draft_policy, "record_cost", recording)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=48, ignore_eos=True, temperature=0), use_tqdm=False)
+    runs = []  # [drafts, steps] per run, in order
+    for drafts, first in launches:
+        if first or not runs:
+            runs.append([drafts, 0])
+        assert runs[-1][0] == drafts  # a run's steps are all of one length
+        runs[-1][1] += 1
+    assert sorted(booked) == sorted(k for k, n in runs for _ in range(n - 2)), (runs, booked)
+    assert {0, 3} <= set(booked)  # both lengths were timed in steady runs
+    # one request, nothing arriving: each run of drafts the policy began (warm-up, probe) lasted until it yielded a
+    # period (a plain run may be one step: the drafter cut every draft the policy chose)
+    assert len(runs) > 2 and all(n >= 3 for k, n in runs[:-1] if k), runs

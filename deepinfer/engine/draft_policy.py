@@ -16,14 +16,16 @@ The rule (``choose``), for the step about to be drafted for, over the lengths th
 2. probe: a length other than the best is re-timed when due, so that costs and acceptance that drift are seen
    again; it is due ``n (1 - r) / PROBE_BUDGET`` decisions after it was last timed, ``r`` its expected tokens per
    second relative to the best's and ``n`` the number of other lengths (at least ``MIN_PROBE_INTERVAL``), so
-   probes cost the bucket at most about ``PROBE_BUDGET`` of its throughput; the most overdue goes first. The schedule follows the counts and the
-   estimates only: no random draws;
+   probes cost the bucket at most about ``PROBE_BUDGET`` of its throughput; the most overdue goes first. A probe is
+   chosen again until its length is timed (at most ``PROBE_HOLD`` decisions): the overlapped steps time a step
+   only inside a run of its length. The schedule follows the counts and the estimates only: no random draws;
 3. otherwise the best: the length with the most expected tokens per second, ``(1 + e_0 + ... + e_{k-1}) /
    cost(k)``, drafts' discounted by ``1 + DRAFT_MARGIN``, ties to the shorter. ``k = 0`` (plain decoding: no
    drafts, no draft pass) wins wherever drafts do not pay.
 
 Wall time is what a synchronous step costs the engine whatever the device does (the step waits for its result);
-an overlapped step (``engine/overlapped_speculation.py``) is timed launch to launch, its period in steady decoding.
+an overlapped step (``engine/overlapped_speculation.py``) is timed launch to launch, its period in steady decoding,
+and only inside a run of steps of its length (a run's first period and its last step's wait are not steady).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ logger = init_logger(__name__)
 WARMUP_SAMPLES = 2  # timed steps per (bucket, length) before the policy trusts its cost
 PROBE_BUDGET = 0.01  # the share of a bucket's throughput that re-timing the lengths other than the best may cost
 MIN_PROBE_INTERVAL = 16  # decisions between re-timings of one length at least, however close it is to the best
+PROBE_HOLD = 4  # decisions a probe is held for until its length is timed: a run's first period is not booked
 # drafts must promise this much more than plain decoding per second: a step's count is a mean over its requests, and
 # the ones that accept less than the mean end later, decoding in small batches that cost nearly a full step each
 # (the embedded model at batch 8 on a CPU: +16% per step predicted for 5 drafts, 0.87x realized)
@@ -70,6 +73,7 @@ class DraftPolicy:
     offered: list[float] = field(default_factory=list)
     emitted: list[float] = field(default_factory=list)
     chosen: Counter = field(default_factory=Counter)  # per (reason, k): the summary's histogram
+    probing: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # bucket -> (k, decision, samples then)
 
     def __post_init__(self):
         if isinstance(self.max_drafts, bool) or not isinstance(self.max_drafts, int) or self.max_drafts < 1:
@@ -111,8 +115,15 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
     policy.decisions[bucket] += 1
     longest_first = sorted(choices, reverse=True)
     unmeasured = [k for k in longest_first if policy.samples[bucket, k] < WARMUP_SAMPLES]
+    held = policy.probing.pop(bucket, None)
+    if held is not None and policy.samples[bucket, held[0]] == held[2] and decision - held[1] >= PROBE_HOLD:
+        policy.measured_at[bucket, held[0]] = decision  # not timed in its hold: due again after its interval
+        held = None
     if unmeasured:
         k, reason = unmeasured[0], "warm-up"
+    elif held is not None and held[0] in choices and policy.samples[bucket, held[0]] == held[2]:
+        k, reason = held[0], "probe"
+        policy.probing[bucket] = held
     else:
         rates = tokens_per_second(policy, bucket, choices)
         best = _fastest(rates)
@@ -124,6 +135,7 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
         due = [k for k in others if overdue[k] >= 0]
         if due:
             k, reason = max(due, key=lambda k: overdue[k]), "probe"
+            policy.probing[bucket] = (k, decision, policy.samples[bucket, k])
         else:
             k, reason = best, "best"
     policy.chosen[reason, k] += 1

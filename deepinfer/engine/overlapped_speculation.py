@@ -113,13 +113,13 @@ class SpeculativeInFlight:
 @dataclass(slots=True)
 class _Launched:
     """A launched step the measured policy has yet to book: when, ``cuda_graphs.captures`` then, its requests, the
-    drafts booked for it, and the host's drafting for it before its launch."""
+    drafts booked for it, and whether it began its run (launched with no step of its kind in flight)."""
 
     at: float
     captures: int
     requests: int
     drafts: int
-    draft_seconds: float
+    first: bool
 
 
 class OverlappedSpeculation:
@@ -159,7 +159,7 @@ class OverlappedSpeculation:
                 self.inflight = self._launch(scheduled, previous)
                 return self._resolve(previous)
             finished = self._resolve(previous, keep_drafts=not self._plain_next)
-            self._book_launched()  # the run's last step: launched until booked
+            self.launched = None  # the run's last step: its launch to its result is a latency, not a period
             self.inflight = None
         else:
             finished = []
@@ -167,7 +167,9 @@ class OverlappedSpeculation:
         if scheduled and self._can_launch(scheduled):
             self.inflight = self._launch(scheduled, None)
             return finished
-        if self.plain is not None and self.speculator.pending_choice == 0 and scheduled and _plain(scheduled):
+        # plain decoding chosen, or drafts chosen and every one cut by its confidence: a plain step either way (a
+        # synchronous step here would book its whole latency under the length chosen)
+        if self.plain is not None and scheduled and _plain(scheduled):
             return finished + self._launch_plain(scheduled)
         return finished + self.synchronous.run(scheduled)
 
@@ -189,21 +191,20 @@ class OverlappedSpeculation:
                                        "request")
                 return self._launch_plain(scheduled)
         finished = self.plain.resolve()
-        self._book_launched()  # the run's last step: from its launch until its result is booked
+        self.launched = None  # the run's last step: its launch to its result is a latency, not a period
         s.draft(scheduler.running, [], None, chosen)
         return finished
 
     def _launch_plain(self, scheduled: ScheduledBatch) -> list[Request]:
         """Launches ``scheduled`` as a plain step and books the step before it in the run: launch to launch."""
-        if not scheduled:  # nothing could be scheduled: the step in flight is resolved, the run's timing ends
-            finished = self.plain.run(scheduled)
-            self._book_launched()
-            return finished
+        if not scheduled:  # nothing could be scheduled: the step in flight is resolved, the run ends unbooked
+            self.launched = None
+            return self.plain.run(scheduled)
         self._book_launched()
         if self.plain.in_flight:
             self.launches["plain"] += 1
         self.speculator.pending_choice = None  # timed here, not as a synchronous step
-        self._note_launch(len(scheduled), 0)
+        self._note_launch(len(scheduled), 0, first=not self.plain.in_flight)
         return self.plain.run(scheduled)
 
     def _store_plain(self, scheduled: ScheduledBatch, sampled: torch.Tensor, features: torch.Tensor | None) -> None:
@@ -255,9 +256,8 @@ class OverlappedSpeculation:
         self._book_launched()  # a steady run's step before: launch to launch
         s = self.speculator
         s.pending_choice = None  # this step is timed here, not as a synchronous step
-        # padded, it verifies the longest drafts; a run's first step verifies the host's drafts, drafted (and
-        # timed) by the synchronous step before
-        self._note_launch(count, s.max_drafts, s.pending_draft_seconds if previous is None else 0.0)
+        # padded, it verifies the longest drafts
+        self._note_launch(count, s.max_drafts, first=previous is None)
         if previous is not None:
             index = {id(r): i for i, r in enumerate(previous.requests)}
             source = to_device(torch.tensor([index[id(r)] for r in requests], dtype=torch.int64), device)
@@ -367,17 +367,24 @@ class OverlappedSpeculation:
         return ids
 
     # -- the measured policy's clock --------------------------------------------------------------
-    def _note_launch(self, requests: int, drafts: int, draft_seconds: float = 0.0) -> None:
+    # Only a run's steady periods are booked: from a step's launch to the next step's of the same run, which the
+    # host launches after waiting for the step before (so the period is the device's step, or the host's where it is
+    # slower). A run's first period is the host's launching alone (the device still runs the step) and its last
+    # step ends in a wait for its result (a whole latency, not a period): booking either biased a probe of one or
+    # two steps (the H100's embedded model: isolated plain steps booked at their latency kept 5 drafts against
+    # cheaper plain decoding). Every choice the policy makes in warm-up or probe is made again until it is booked,
+    # so such a run lasts until it yields a steady period.
+    def _note_launch(self, requests: int, drafts: int, first: bool) -> None:
         if self.speculator.policy is not None:
-            self.launched = _Launched(time.perf_counter(), cuda_graphs.captures, requests, drafts, draft_seconds)
+            self.launched = _Launched(time.perf_counter(), cuda_graphs.captures, requests, drafts, first)
 
     def _book_launched(self) -> None:
-        """Books the last launched step for the measured policy: from its launch until now (the next launch, or
-        its result booked where its run ends), unless a CUDA graph was captured meanwhile."""
+        """Books the last launched step for the measured policy, launch to launch, unless it began its run or a
+        CUDA graph was captured meanwhile."""
         launched, self.launched = self.launched, None
-        if launched is not None and launched.captures == cuda_graphs.captures:
-            seconds = time.perf_counter() - launched.at + launched.draft_seconds
-            draft_policy.record_cost(self.speculator.policy, launched.requests, launched.drafts, seconds)
+        if launched is not None and not launched.first and launched.captures == cuda_graphs.captures:
+            draft_policy.record_cost(self.speculator.policy, launched.requests, launched.drafts,
+                                     time.perf_counter() - launched.at)
 
     # -- the host's side --------------------------------------------------------------------------
     def _resolve(self, inflight: SpeculativeInFlight, keep_drafts: bool = True) -> list[Request]:

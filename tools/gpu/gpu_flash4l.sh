@@ -15,7 +15,7 @@
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at V41_BATCHES, 1 and 64; V41_TAG names the runs; BENCH_PRELUDE: Python run before a bench of a tree whose plugins are registered by hand),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
 # SPEC_BATCHES, SPEC_TIMEOUT), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
-# replay: prefill off vs compact), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), SYNC_DEBUG=1 adds to structured and structuredprev the synchronizing calls by call site (tools/profiling/sync_sites.py); vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
+# replay: prefill off vs compact), v41route (V4.1 prefill with the FP8 projections' cuBLAS route and without, V41_PREFILL_LENS), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), SYNC_DEBUG=1 adds to structured and structuredprev the synchronizing calls by call site (tools/profiling/sync_sites.py); vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
@@ -235,6 +235,17 @@ if has v41prefill; then  # the V4.1-Flash-shaped fixture's prefill (MXFP4 expert
         model=/tmp/v41flash8L latency v41_p$n --batch-size 1 --input-len $n --output-len 2 --max-num-batched-tokens 8192
     done
 fi
+if has v41route; then  # the cuBLAS route of FP8 projections >= 192 rows, end to end: V4.1 prefill with it and without
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for n in ${V41_PREFILL_LENS:-8192 512}; do
+        model=/tmp/v41flash8L latency v41route_on_p$n --batch-size 1 --input-len $n --output-len 2 --max-num-batched-tokens 8192
+        bench_saved=("${bench[@]}")  # the same bench with the route off: the Triton FP8 GEMM at every row count
+        bench=(python -c "import deepinfer_nvidia.fp8_linear as f; f.BF16_GEMM_MIN_ROWS = 1 << 62
+from deepinfer.cli import main; main()" bench)
+        model=/tmp/v41flash8L latency v41route_off_p$n --batch-size 1 --input-len $n --output-len 2 --max-num-batched-tokens 8192
+        bench=("${bench_saved[@]}")
+    done
+fi
 if has large; then
     latency b64 --batch-size 64 --input-len 512 --output-len 64 --compare-hf
 fi
@@ -290,6 +301,8 @@ if has serve; then  # deepinfer bench serve on loopback (the embedded model, SER
     timeout 200 "${bench[@]}" throughput --model deepinfer-tiny-v4.1 --dtype bfloat16 --input-len 64 --output-len 64 \
         --num-prompts 64 --output-json "$out/throughput_tiny_64.json" 2>&1 | grep -E "Error|error" | head -4
     python -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: v for k, v in r.items() if k != 'machine'})" "$out/throughput_tiny_64.json"
+    # the offline step at the served batch, after a warm-up that captures its graphs: what c = 64 could reach
+    model=deepinfer-tiny-v4.1 latency tiny_b64 --batch-size 64 --input-len 64 --output-len 64
 fi
 if has vision; then  # V4.1-Flash's vision encoder (v41flash8Lvision, dummy weights): its tests, then bench vision
     stamp "vision"

@@ -1,0 +1,88 @@
+"""Do the measured policy's plain steps cost what decoding without drafts costs? (issue 42)
+
+Runs the embedded model (or ``--model``) at one batch in one process: decoding without drafts, speculative decoding
+with the measured policy forced to choose no drafts, forced to choose the longest, and forced to alternate in runs
+(``--pattern``: e.g. 8 decisions of the longest, then 4 of none); reports tok/s, the policy's booked step costs, and
+for the pattern each booked period by its step's place in its run, so a booked cost can be set against the steps'
+steady period and a run's transitions seen.
+
+    python tools/profiling/policy_plain_steps.py --batch-size 32 --output-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine import draft_policy
+
+
+def _run(llm: LLM, prompts: list[str], params: SamplingParams, repeats: int) -> float:
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: captures, compiles
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - started)
+    return len(prompts) * params.max_tokens / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="deepinfer-tiny-v4.1")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pattern", default="8,4", help="decisions of the longest, then of none, repeated")
+    args = parser.parse_args()
+    prompts = [f"Item {i}: the story of" for i in range(args.batch_size)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    results = {"without_drafts": _run(LLM(args.model, dtype=args.dtype), prompts, params, args.repeats)}
+    real_choose = draft_policy.choose
+    longest_run, plain_run = (int(n) for n in args.pattern.split(","))
+    for forced in (0, None, "pattern"):
+        llm = LLM(args.model, dtype=args.dtype, enable_mtp_varlen=True, speculation_policy="measured")
+        policy = llm.engine.speculator.policy
+
+        decisions = []
+
+        def choose(p, requests, choices, forced=forced):
+            real_choose(p, requests, choices)  # its bookkeeping
+            decisions.append(None)
+            if forced == "pattern":
+                return (max(choices) if len(decisions) % (longest_run + plain_run) < longest_run else 0), "best"
+            return (forced if forced is not None else max(choices)), "best"
+
+        overlap, places, booked = llm.engine.overlap, [0], {}
+        note, record = overlap._note_launch, draft_policy.record_cost
+
+        def noting(requests, drafts, first):
+            places[0] = 1 if first else places[0] + 1
+            note(requests, drafts, first)
+
+        def recording(p, requests, k, seconds):  # the step booked is the last launched: its place in its run
+            booked.setdefault(f"k{k}/step{places[0]}", []).append(seconds * 1e3)
+            record(p, requests, k, seconds)
+
+        draft_policy.choose, draft_policy.record_cost, overlap._note_launch = choose, recording, noting
+        try:
+            rate = _run(llm, prompts, params, args.repeats)
+        finally:
+            draft_policy.choose, draft_policy.record_cost = real_choose, record
+        name = "pattern" if forced == "pattern" else f"forced_{'plain' if forced == 0 else 'longest'}"
+        if forced == "pattern":
+            results["pattern_booked_by_place_ms"] = {key: [len(v), round(sorted(v)[len(v) // 2], 3)]
+                                                     for key, v in sorted(booked.items())}
+        results[name] = rate
+        results[name + "_booked_ms"] = {f"b{b}/k{k}": round(s * 1e3, 3) for (b, k), s in sorted(policy.costs.items())}
+        results[name + "_launches"] = dict(llm.engine.overlap.launches)
+        results[name + "_step_ms"] = round(args.batch_size / rate * 1e3, 3)
+    results["without_drafts_step_ms"] = round(args.batch_size / results["without_drafts"] * 1e3, 3)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
