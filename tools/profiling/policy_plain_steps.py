@@ -36,15 +36,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cuda-graphs", default=None, help='the engine option; "padded-eager" overlaps on a CPU')
     parser.add_argument("--pattern", default="8,4", help="decisions of the longest, then of none, repeated")
     args = parser.parse_args()
     prompts = [f"Item {i}: the story of" for i in range(args.batch_size)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
-    results = {"without_drafts": _run(LLM(args.model, dtype=args.dtype), prompts, params, args.repeats)}
+    engine = {"dtype": args.dtype} | ({"cuda_graphs": args.cuda_graphs} if args.cuda_graphs else {})
+    results = {"without_drafts": _run(LLM(args.model, **engine), prompts, params, args.repeats)}
     real_choose = draft_policy.choose
     longest_run, plain_run = (int(n) for n in args.pattern.split(","))
     for forced in (0, None, "pattern"):
-        llm = LLM(args.model, dtype=args.dtype, enable_mtp_varlen=True, speculation_policy="measured")
+        llm = LLM(args.model, enable_mtp_varlen=True, speculation_policy="measured", **engine)
         policy = llm.engine.speculator.policy
 
         decisions = []
