@@ -151,6 +151,10 @@ def test_bench_speculative_runs_each_mode_asked_for_at_each_synthetic_length(tmp
     policy = result["synthetic_2_measured_policy"]
     assert policy["requested_acceptance_length"] == 2.0 and sum(policy["policy_choices"].values()) > 0
     assert policy["policy_costs_ms"] and all(ms > 0 for ms in policy["policy_costs_ms"].values())
+    recent = policy["policy_recent_ms"]  # the samples each cost is the median of
+    assert recent.keys() == policy["policy_costs_ms"].keys()
+    assert all(sorted(v)[(len(v) - 1) // 2] <= policy["policy_costs_ms"][key] <= sorted(v)[len(v) // 2]
+               for key, v in recent.items())
     assert len(policy["policy_acceptance"]) == 5
     assert policy["warmups"] == 1 and policy["graph_captures"] == 0  # no graphs on a CPU: one warm-up suffices
     assert "policy_choices" not in result["synthetic_2"]

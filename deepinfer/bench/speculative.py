@@ -135,6 +135,8 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
         # what the choices rested on at the end: each (batch bucket, length)'s booked cost, the acceptance
         result["policy_costs_ms"] = {f"b{bucket}/k{k}": round(seconds * 1e3, 3)
                                      for (bucket, k), seconds in sorted(policy_state.costs.items())}
+        result["policy_recent_ms"] = {f"b{bucket}/k{k}": [round(seconds * 1e3, 3) for seconds in recent]
+                                      for (bucket, k), recent in sorted(policy_state.recent.items())}
         result["policy_acceptance"] = [round(a, 3) for a in policy_state.acceptance]
     del llm
     _release()

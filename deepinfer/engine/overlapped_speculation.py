@@ -163,22 +163,27 @@ class OverlappedSpeculation:
             self.inflight = None
         else:
             finished = []
-        scheduled = context.schedule()
+        return finished + self._step_from_host()
+
+    def _step_from_host(self) -> list[Request]:
+        """A step with nothing in flight: the first of a steady run, a plain step or a synchronous one. Every
+        engine step runs one forward pass (expert-parallel ranks exchange tokens in each)."""
+        scheduled = self.context.schedule()
         if scheduled and self._can_launch(scheduled):
             self.inflight = self._launch(scheduled, None)
-            return finished
+            return []
         # plain decoding chosen, or drafts chosen and every one cut by its confidence: a plain step either way (a
         # synchronous step here would book its whole latency under the length chosen)
         if self.plain is not None and scheduled and _plain(scheduled):
-            return finished + self._launch_plain(scheduled)
-        return finished + self.synchronous.run(scheduled)
+            return self._launch_plain(scheduled)
+        return self.synchronous.run(scheduled)
 
     # -- plain steps (the measured policy's k = 0) --------------------------------------------------
     def _plain_step(self) -> list[Request]:
         """A plain run goes on while the policy keeps choosing no drafts and every running request decodes
         (nothing arrives, no prefill chunk): the next plain step is launched before the one in flight is resolved.
         Otherwise the run ends: the step in flight is resolved and drafted from (at the length the policy chose
-        here, if it did), and the next call steps as usual."""
+        here, if it did), and this call's step is launched from the host's state."""
         context, s = self.context, self.speculator
         scheduler = context.scheduler
         running, chosen = scheduler.running, None
@@ -193,7 +198,7 @@ class OverlappedSpeculation:
         finished = self.plain.resolve()
         self.launched = None  # the run's last step: its launch to its result is a latency, not a period
         s.draft(scheduler.running, [], None, chosen)
-        return finished
+        return finished + self._step_from_host()
 
     def _launch_plain(self, scheduled: ScheduledBatch) -> list[Request]:
         """Launches ``scheduled`` as a plain step and books the step before it in the run: launch to launch."""
