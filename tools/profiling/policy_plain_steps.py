@@ -29,6 +29,44 @@ def _run(llm: LLM, prompts: list[str], params: SamplingParams, repeats: int) -> 
     return len(prompts) * params.max_tokens / best
 
 
+def _forced(args, engine: dict, prompts, params, forced) -> dict:
+    """Speculative decoding with the policy's bookkeeping intact and its choice forced: 0 (plain steps), None (the
+    longest drafts) or "pattern"; its tok/s, booked costs, launches and (pattern) booked periods by place."""
+    real_choose, real_record = draft_policy.choose, draft_policy.record_cost
+    longest_run, plain_run = (int(n) for n in args.pattern.split(","))
+    llm = LLM(args.model, enable_mtp_varlen=True, speculation_policy="measured", **engine)
+    overlap, policy = llm.engine.overlap, llm.engine.speculator.policy
+    decisions, place, booked = [0], [0], {}
+
+    def choose(p, requests, choices):
+        real_choose(p, requests, choices)  # its bookkeeping
+        decisions[0] += 1
+        if forced == "pattern":
+            return (max(choices) if decisions[0] % (longest_run + plain_run) < longest_run else 0), "best"
+        return (forced if forced is not None else max(choices)), "best"
+
+    def note(requests, drafts, first, note=overlap._note_launch):
+        place[0] = 1 if first else place[0] + 1
+        note(requests, drafts, first)
+
+    def record(p, requests, k, seconds):  # the step booked is the last one noted: its place in its run
+        booked.setdefault(f"k{k}/step{place[0]}", []).append(seconds * 1e3)
+        real_record(p, requests, k, seconds)
+
+    draft_policy.choose, draft_policy.record_cost, overlap._note_launch = choose, record, note
+    try:
+        rate = _run(llm, prompts, params, args.repeats)
+    finally:
+        draft_policy.choose, draft_policy.record_cost = real_choose, real_record
+    result = {"tok_s": rate, "ms_a_token": round(len(prompts) / rate * 1e3, 3),  # a request's wait per token
+              "booked_ms": {f"b{b}/k{k}": round(s * 1e3, 3) for (b, k), s in sorted(policy.costs.items())},
+              "launches": dict(overlap.launches)}
+    if forced == "pattern":  # [periods booked, their median] by (length, the step's place in its run)
+        result["booked_by_place_ms"] = {key: [len(v), round(sorted(v)[len(v) // 2], 3)]
+                                        for key, v in sorted(booked.items())}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="deepinfer-tiny-v4.1")
@@ -42,47 +80,10 @@ def main() -> None:
     prompts = [f"Item {i}: the story of" for i in range(args.batch_size)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     engine = {"dtype": args.dtype} | ({"cuda_graphs": args.cuda_graphs} if args.cuda_graphs else {})
-    results = {"without_drafts": _run(LLM(args.model, **engine), prompts, params, args.repeats)}
-    real_choose = draft_policy.choose
-    longest_run, plain_run = (int(n) for n in args.pattern.split(","))
-    for forced in (0, None, "pattern"):
-        llm = LLM(args.model, enable_mtp_varlen=True, speculation_policy="measured", **engine)
-        policy = llm.engine.speculator.policy
-
-        decisions = []
-
-        def choose(p, requests, choices, forced=forced):
-            real_choose(p, requests, choices)  # its bookkeeping
-            decisions.append(None)
-            if forced == "pattern":
-                return (max(choices) if len(decisions) % (longest_run + plain_run) < longest_run else 0), "best"
-            return (forced if forced is not None else max(choices)), "best"
-
-        overlap, places, booked = llm.engine.overlap, [0], {}
-        note, record = overlap._note_launch, draft_policy.record_cost
-
-        def noting(requests, drafts, first):
-            places[0] = 1 if first else places[0] + 1
-            note(requests, drafts, first)
-
-        def recording(p, requests, k, seconds):  # the step booked is the last launched: its place in its run
-            booked.setdefault(f"k{k}/step{places[0]}", []).append(seconds * 1e3)
-            record(p, requests, k, seconds)
-
-        draft_policy.choose, draft_policy.record_cost, overlap._note_launch = choose, recording, noting
-        try:
-            rate = _run(llm, prompts, params, args.repeats)
-        finally:
-            draft_policy.choose, draft_policy.record_cost = real_choose, record
-        name = "pattern" if forced == "pattern" else f"forced_{'plain' if forced == 0 else 'longest'}"
-        if forced == "pattern":
-            results["pattern_booked_by_place_ms"] = {key: [len(v), round(sorted(v)[len(v) // 2], 3)]
-                                                     for key, v in sorted(booked.items())}
-        results[name] = rate
-        results[name + "_booked_ms"] = {f"b{b}/k{k}": round(s * 1e3, 3) for (b, k), s in sorted(policy.costs.items())}
-        results[name + "_launches"] = dict(llm.engine.overlap.launches)
-        results[name + "_step_ms"] = round(args.batch_size / rate * 1e3, 3)
-    results["without_drafts_step_ms"] = round(args.batch_size / results["without_drafts"] * 1e3, 3)
+    plain = _run(LLM(args.model, **engine), prompts, params, args.repeats)
+    results = {"without_drafts": {"tok_s": plain, "ms_a_token": round(len(prompts) / plain * 1e3, 3)}}
+    for name, forced in (("forced_plain", 0), ("forced_longest", None), ("pattern", "pattern")):
+        results[name] = _forced(args, engine, prompts, params, forced)
     print(json.dumps(results))
 
 
