@@ -13,6 +13,7 @@
 # tools/gpu/gpu_kernels.py --grouped; GROUPED_TESTS, GROUPED_FORMATS narrow them), v41prefill (the V4.1-Flash-shaped fixture's
 # prefill at V41_PREFILL_LENS tokens, 8192 and 512), prefill (tools/profiling/profile_prefill.py on flash4L at PREFILL_LENS
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at V41_BATCHES, 1 and 64; V41_TAG names the runs; BENCH_PRELUDE: Python run before a bench of a tree whose plugins are registered by hand),
+# policy (tools/profiling/policy_plain_steps.py: the measured policy's booked costs against steady periods, POLICY_BATCHES),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
 # SPEC_BATCHES, SPEC_TIMEOUT), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
 # replay: prefill off vs compact), v41route (V4.1 prefill with the FP8 projections' cuBLAS route and without, V41_PREFILL_LENS), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), SYNC_DEBUG=1 adds to structured and structuredprev the synchronizing calls by call site (tools/profiling/sync_sites.py); vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
@@ -274,6 +275,13 @@ if has spec; then  # DSpark drafts on the embedded model, verification and draft
     timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes ${SPEC_BATCHES:-1 32} \
         --output-len ${SPEC_OUTPUT_LEN:-128} ${SPEC_ARGS:-} --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
     python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], 'captures', v[m].get('graph_captures'), v[m].get('policy_choices'), v[m].get('policy_costs_ms'), v[m].get('policy_recent_ms'), v[m].get('policy_acceptance'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]; [print(b, 'same tokens', v.get('same_tokens'), v.get('same_tokens_requests'), 'speedup', v.get('speedup')) for b, v in r.items() if b.startswith('batch')]" "$out/speculative.json"
+fi
+if has policy; then  # the measured policy's booked costs against its steps' steady periods (POLICY_BATCHES; issue 42)
+    for b in ${POLICY_BATCHES:-32 1}; do
+        stamp "policy plain steps b$b"
+        timeout ${POLICY_TIMEOUT:-150} "${py[@]}" tools/profiling/policy_plain_steps.py --batch-size $b --output-len 128 \
+            --repeats 1 --pattern ${POLICY_PATTERN:-8,4} 2>&1 | grep -v "INFO\|Loading" | tail -1 | tee -a "$out/policy_plain_steps.jsonl"
+    done
 fi
 if has replay; then  # SWA bounded replay, prefill off vs compact (V4.1-shaped fixture, embedded model)
     stamp "replay"
