@@ -233,6 +233,7 @@ def test_unsupported_fields_are_refused_not_ignored(client):
 def test_metrics(server):
     text = httpx.get(server[1] + "/metrics").text
     assert "# TYPE deepinfer_steps_total counter" in text and "deepinfer_running 0" in text
+    assert "deepinfer_cuda_graph_captures_total 0" in text  # no CUDA graphs on a CPU
 
 
 def test_api_key_and_queue_bound():

@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import platform
+import re
 import statistics
 import threading
 import time
@@ -76,9 +77,11 @@ def main(args: argparse.Namespace) -> list[dict]:
         for rate, bound in runs:
             if args.num_warmups:
                 asyncio.run(_send(server, args, prompts[:args.num_warmups], math.inf, bound))
+            before = server.engine_totals()
             started = time.perf_counter()
             outcomes = asyncio.run(_send(server, args, prompts, rate, bound))
             result = _metrics(outcomes, time.perf_counter() - started, args, rate, bound, server.model)
+            result |= _during(before, server.engine_totals())
             _print(result, args)
             if args.save_result:
                 _save(result, args)
@@ -146,6 +149,17 @@ class _Server:
         self.vocab = min(self.vocab, model_vocab)
         self.url = f"http://127.0.0.1:{port}"
         return self
+
+    def engine_totals(self) -> dict[str, float]:
+        """The server's ``deepinfer_*_total`` counters now (its /metrics), by name less prefix and suffix; empty
+        where the server has none (another server behind ``--base-url``)."""
+        import httpx
+
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return {}
+        return {name: float(value) for name, value in re.findall(r"^deepinfer_(\w+)_total (\S+)$", text, re.M)}
 
     def __exit__(self, *exc):
         if self.process is None:
@@ -268,6 +282,15 @@ async def _one(client, gate, model: str, prompt: list[int], args) -> dict:
     return outcome
 
 
+def _during(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the server's engine did during a timed run: its steps, and the CUDA graphs it captured (seconds each:
+    a capture there is a stall its warm-up did not take); None where the server does not count them."""
+    def delta(name: str) -> int | None:
+        return int(after[name] - before[name]) if name in before and name in after else None
+
+    return {"engine_steps": delta("steps"), "graph_captures": delta("cuda_graph_captures")}
+
+
 def _metrics(outcomes: list[dict], duration: float, args, rate: float, bound: int | None, model: str) -> dict:
     done = [o for o in outcomes if o["ok"]]
     output_tokens = sum(o["output_tokens"] for o in done)
@@ -306,7 +329,8 @@ def _print(result: dict, args) -> None:
             ("Total generated tokens", result["total_output_tokens"]),
             ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}"),
-            ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}")]
+            ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),
+            ("Engine steps", result.get("engine_steps")), ("CUDA graphs captured", result.get("graph_captures"))]
     for name in ("ttft", "tpot", "itl"):
         rows += [(f"Mean {name.upper()} (ms)", f"{result[f'mean_{name}_ms']:.2f}"),
                  (f"Median {name.upper()} (ms)", f"{result[f'median_{name}_ms']:.2f}")]

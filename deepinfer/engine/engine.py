@@ -10,6 +10,7 @@ import torch
 from deepinfer.engine import setup
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.feature_flags import check_feature_plugins
+from deepinfer.runner import cuda_graphs
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.loading.model_source import resolve_model_dir
 from deepinfer.engine.output_processor import OutputProcessor
@@ -200,6 +201,8 @@ class LLMEngine:
     def counters(self) -> dict:
         """Totals since the engine started, and the caches' state now: vLLM-style engine counters."""
         counters = {**self.totals.as_dict(), "preemptions": self.scheduler.num_preemptions,
+                    # the process's CUDA-graph captures (seconds each): one inside a timed run explains a stall
+                    "cuda_graph_captures": cuda_graphs.captures,
                     "running": len(self.scheduler.running),
                     "waiting": len(self.scheduler.waiting),
                     "cache_usage": {kind: round(used, 4) for kind, used in self.blocks.usage().items()}}

@@ -220,7 +220,8 @@ def _sse(payload: dict) -> str:
 def _prometheus(counters: dict) -> str:
     """The engine's counters in Prometheus' text format: totals as counters, the rest as gauges."""
     totals = {"steps", "prompt_tokens", "cached_prompt_tokens", "generation_tokens", "finished_requests",
-              "aborted_requests", "preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens"}
+              "aborted_requests", "preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+              "cuda_graph_captures"}
     lines = []
     for name, value in counters.items():
         if isinstance(value, dict):
