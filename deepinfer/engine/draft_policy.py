@@ -73,7 +73,7 @@ class DraftPolicy:
     offered: list[float] = field(default_factory=list)
     emitted: list[float] = field(default_factory=list)
     chosen: Counter = field(default_factory=Counter)  # per (reason, k): the summary's histogram
-    probing: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # bucket -> (k, decision, samples then)
+    probing: dict[int, _Probe] = field(default_factory=dict)  # per bucket: the probe held until timed
 
     def __post_init__(self):
         if isinstance(self.max_drafts, bool) or not isinstance(self.max_drafts, int) or self.max_drafts < 1:
@@ -91,6 +91,15 @@ class DraftPolicy:
             ceiling = min(ceiling, emitted / offered)
             shares.append(ceiling)
         return shares
+
+
+@dataclass(slots=True)
+class _Probe:
+    """A probe held until its length is timed: the length, the decision that chose it, its timed steps then."""
+
+    k: int
+    since: int
+    samples: int
 
 
 def batch_bucket(requests: int) -> int:
@@ -116,13 +125,15 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
     longest_first = sorted(choices, reverse=True)
     unmeasured = [k for k in longest_first if policy.samples[bucket, k] < WARMUP_SAMPLES]
     held = policy.probing.pop(bucket, None)
-    if held is not None and policy.samples[bucket, held[0]] == held[2] and decision - held[1] >= PROBE_HOLD:
-        policy.measured_at[bucket, held[0]] = decision  # not timed in its hold: due again after its interval
+    if held is not None and policy.samples[bucket, held.k] != held.samples:
+        held = None  # timed: the hold ends
+    elif held is not None and decision - held.since >= PROBE_HOLD:
+        policy.measured_at[bucket, held.k] = decision  # not timed in its hold: due again after its interval
         held = None
     if unmeasured:
         k, reason = unmeasured[0], "warm-up"
-    elif held is not None and held[0] in choices and policy.samples[bucket, held[0]] == held[2]:
-        k, reason = held[0], "probe"
+    elif held is not None and held.k in choices:
+        k, reason = held.k, "probe"
         policy.probing[bucket] = held
     else:
         rates = tokens_per_second(policy, bucket, choices)
@@ -135,7 +146,7 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
         due = [k for k in others if overdue[k] >= 0]
         if due:
             k, reason = max(due, key=lambda k: overdue[k]), "probe"
-            policy.probing[bucket] = (k, decision, policy.samples[bucket, k])
+            policy.probing[bucket] = _Probe(k, decision, policy.samples[bucket, k])
         else:
             k, reason = best, "best"
     policy.chosen[reason, k] += 1
