@@ -328,6 +328,7 @@ def test_overlapped_steps_book_only_a_run_s_steady_periods(monkeypatch):
     warm-up repeats a length until it is booked, so both plain steps and drafts get steady samples."""
     from deepinfer import SamplingParams
     from deepinfer.engine import overlapped_speculation
+    from deepinfer.engine.run_clock import RunClock
 
     pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
     llm = _embedded(enable_mtp_varlen=True, speculation_policy="measured", num_speculative_tokens=3,
@@ -336,24 +337,26 @@ def test_overlapped_steps_book_only_a_run_s_steady_periods(monkeypatch):
     # (drafts, began its run) per launch; drafts per booking of this clock (a synchronous step between runs, where
     # the drafter cut every draft, books its own time: SpeculativeSteps' rule)
     launches, booked, booking = [], [], []
-    note, book, record = overlap._note_launch, overlap._book_launched, draft_policy.record_cost
+    record = draft_policy.record_cost
 
-    def noting(requests, drafts, first):
-        launches.append((drafts, first))
-        note(requests, drafts, first)
+    class Noting(RunClock):
+        __slots__ = ()
 
-    def booking_launched():
-        booking.append(True)
-        book()
-        booking.pop()
+        def note(self, requests, drafts, first):
+            launches.append((drafts, first))
+            super().note(requests, drafts, first)
+
+        def book(self):
+            booking.append(True)
+            super().book()
+            booking.pop()
 
     def recording(policy, requests, k, seconds):
         if booking:
             booked.append(k)
         record(policy, requests, k, seconds)
 
-    monkeypatch.setattr(overlap, "_note_launch", noting)
-    monkeypatch.setattr(overlap, "_book_launched", booking_launched)
+    overlap.clock = Noting(overlap.clock.policy)
     monkeypatch.setattr(overlapped_speculation.draft_policy, "record_cost", recording)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=48, ignore_eos=True, temperature=0), use_tqdm=False)
     runs = []  # [drafts, steps] per run, in order

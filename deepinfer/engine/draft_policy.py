@@ -25,7 +25,8 @@ The rule (``choose``), for the step about to be drafted for, over the lengths th
 
 Wall time is what a synchronous step costs the engine whatever the device does (the step waits for its result);
 an overlapped step (``engine/overlapped_speculation.py``) is timed launch to launch, its period in steady decoding,
-and only inside a run of steps of its length (a run's first period and its last step's wait are not steady).
+and only inside a run of steps of its length (``engine/run_clock.py``: a run's first period and its last step's
+wait are not steady).
 """
 
 from __future__ import annotations

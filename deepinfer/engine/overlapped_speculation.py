@@ -44,6 +44,7 @@ from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling
 from deepinfer.engine import draft_policy
 from deepinfer.engine.speculation import (accepted_counts, draft_room, drafts_in_accepted_rows, synthetic_key,
                                           verified_lengths)
+from deepinfer.engine.run_clock import RunClock
 from deepinfer.engine.steps import DecodeSteps, SpeculativeSteps, StepContext
 from deepinfer.runtime.transfer import to_device, to_host
 from deepinfer.plugins.interfaces import SamplerOutput
@@ -110,18 +111,6 @@ class SpeculativeInFlight:
         return self.batch.requests
 
 
-@dataclass(slots=True)
-class _Launched:
-    """A launched step the measured policy has yet to book: when, ``cuda_graphs.captures`` then, its requests, the
-    drafts booked for it, and whether it began its run (launched with no step of its kind in flight)."""
-
-    at: float
-    captures: int
-    requests: int
-    drafts: int
-    first: bool
-
-
 class OverlappedSpeculation:
     """A step mode (``engine/steps.py``): steady runs of verification steps stay on the device; every other step
     is one of ``synchronous``'s."""
@@ -135,7 +124,7 @@ class OverlappedSpeculation:
         # "first" of a steady run, "following" a step in flight; "plain": the policy's plain steps (no drafts)
         # launched before the step in flight was resolved
         self.launches = Counter()
-        self.launched: _Launched | None = None  # the measured policy's clock: the last step launched, not yet booked
+        self.clock = RunClock(self.speculator.policy)  # the measured policy's timing of the steps launched here
         self._plain_next = False  # the policy ended the steady run: the step resolved next keeps no drafts
         # the measured policy's plain steps (no drafts), launched before the host resolves the step in flight as
         # decoding without drafts is; their rows reach the drafter on the device (``Drafter.store_on_device``),
@@ -159,7 +148,7 @@ class OverlappedSpeculation:
                 self.inflight = self._launch(scheduled, previous)
                 return self._resolve(previous)
             finished = self._resolve(previous, keep_drafts=not self._plain_next)
-            self.launched = None  # the run's last step: its launch to its result is a latency, not a period
+            self.clock.end_run()
             self.inflight = None
         else:
             finished = []
@@ -196,20 +185,20 @@ class OverlappedSpeculation:
                                        "request")
                 return self._launch_plain(scheduled)
         finished = self.plain.resolve()
-        self.launched = None  # the run's last step: its launch to its result is a latency, not a period
+        self.clock.end_run()
         s.draft(scheduler.running, [], None, chosen)
         return finished + self._step_from_host()
 
     def _launch_plain(self, scheduled: ScheduledBatch) -> list[Request]:
         """Launches ``scheduled`` as a plain step and books the step before it in the run: launch to launch."""
-        if not scheduled:  # nothing could be scheduled: the step in flight is resolved, the run ends unbooked
-            self.launched = None
+        if not scheduled:  # nothing could be scheduled: the step in flight is resolved, the run ends
+            self.clock.end_run()
             return self.plain.run(scheduled)
-        self._book_launched()
+        self.clock.book()
         if self.plain.in_flight:
             self.launches["plain"] += 1
         self.speculator.pending_choice = None  # timed here, not as a synchronous step
-        self._note_launch(len(scheduled), 0, first=not self.plain.in_flight)
+        self.clock.note(len(scheduled), 0, first=not self.plain.in_flight)
         return self.plain.run(scheduled)
 
     def _store_plain(self, scheduled: ScheduledBatch, sampled: torch.Tensor, features: torch.Tensor | None) -> None:
@@ -258,11 +247,11 @@ class OverlappedSpeculation:
         requests = scheduled.requests
         self.context.count_step()
         self.launches["following" if previous is not None else "first"] += 1
-        self._book_launched()  # a steady run's step before: launch to launch
+        self.clock.book()  # a steady run's step before: launch to launch
         s = self.speculator
         s.pending_choice = None  # this step is timed here, not as a synchronous step
         # padded, it verifies the longest drafts
-        self._note_launch(count, s.max_drafts, first=previous is None)
+        self.clock.note(count, s.max_drafts, first=previous is None)
         if previous is not None:
             index = {id(r): i for i, r in enumerate(previous.requests)}
             source = to_device(torch.tensor([index[id(r)] for r in requests], dtype=torch.int64), device)
@@ -370,26 +359,6 @@ class OverlappedSpeculation:
         ids = torch.cat([before.gather(1, first.unsqueeze(1) + torch.arange(h, device=tokens.device)), tokens], 1)
         per_row.copy_(ids.unfold(1, h, 1)[:, :rows])
         return ids
-
-    # -- the measured policy's clock --------------------------------------------------------------
-    # Only a run's steady periods are booked: from a step's launch to the next step's of the same run, which the
-    # host launches after waiting for the step before (so the period is the device's step, or the host's where it is
-    # slower). A run's first period is the host's launching alone (the device still runs the step) and its last
-    # step ends in a wait for its result (a whole latency, not a period): booking either biased a probe of one or
-    # two steps (the H100's embedded model: isolated plain steps booked at their latency kept 5 drafts against
-    # cheaper plain decoding). Every choice the policy makes in warm-up or probe is made again until it is booked,
-    # so such a run lasts until it yields a steady period.
-    def _note_launch(self, requests: int, drafts: int, first: bool) -> None:
-        if self.speculator.policy is not None:
-            self.launched = _Launched(time.perf_counter(), cuda_graphs.captures, requests, drafts, first)
-
-    def _book_launched(self) -> None:
-        """Books the last launched step for the measured policy, launch to launch, unless it began its run or a
-        CUDA graph was captured meanwhile."""
-        launched, self.launched = self.launched, None
-        if launched is not None and not launched.first and launched.captures == cuda_graphs.captures:
-            draft_policy.record_cost(self.speculator.policy, launched.requests, launched.drafts,
-                                     time.perf_counter() - launched.at)
 
     # -- the host's side --------------------------------------------------------------------------
     def _resolve(self, inflight: SpeculativeInFlight, keep_drafts: bool = True) -> list[Request]:

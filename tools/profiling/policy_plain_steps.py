@@ -17,6 +17,7 @@ import time
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine import draft_policy
+from deepinfer.engine.run_clock import RunClock
 
 
 def _run(llm: LLM, prompts: list[str], params: SamplingParams, repeats: int) -> float:
@@ -45,15 +46,19 @@ def _forced(args, engine: dict, prompts, params, forced) -> dict:
             return (max(choices) if decisions[0] % (longest_run + plain_run) < longest_run else 0), "best"
         return (forced if forced is not None else max(choices)), "best"
 
-    def note(requests, drafts, first, note=overlap._note_launch):
-        place[0] = 1 if first else place[0] + 1
-        note(requests, drafts, first)
+    class Placing(RunClock):  # each launch's place in its run
+        __slots__ = ()
+
+        def note(self, requests, drafts, first):
+            place[0] = 1 if first else place[0] + 1
+            super().note(requests, drafts, first)
 
     def record(p, requests, k, seconds):  # the step booked is the last one noted: its place in its run
         booked.setdefault(f"k{k}/step{place[0]}", []).append(seconds * 1e3)
         real_record(p, requests, k, seconds)
 
-    draft_policy.choose, draft_policy.record_cost, overlap._note_launch = choose, record, note
+    overlap.clock = Placing(policy)
+    draft_policy.choose, draft_policy.record_cost = choose, record
     try:
         rate = _run(llm, prompts, params, args.repeats)
     finally:
