@@ -370,3 +370,48 @@ def test_overlapped_steps_book_only_a_run_s_steady_periods(monkeypatch):
     # one request, nothing arriving: each run of drafts the policy began (warm-up, probe) lasted until it yielded a
     # period (a plain run may be one step: the drafter cut every draft the policy chose)
     assert all(n >= 3 for k, n in runs[:-1] if k), runs
+
+
+def test_plain_steps_sample_and_store_inside_their_graph(plain_outputs, monkeypatch):
+    """The policy's plain runs replay one graph a step: sampling and the drafter's store are its tail. Forced
+    through runs of 8 plain steps and 4 of drafts, the outputs are those without drafts and the drafts (read from
+    what the plain steps stored) are the ones the eager store gives; a request with a penalty samples on the host,
+    so its plain steps store eagerly."""
+    from deepinfer import SamplingParams
+    from deepinfer.engine.plain_store import PlainStepStore
+
+    real_choose = draft_policy.choose
+
+    def runs_of_8_plain_and_4_drafts(policy, requests, lengths):
+        real_choose(policy, requests, lengths)
+        return (0 if sum(policy.decisions.values()) % 12 < 8 else lengths[-1]), "best"
+
+    monkeypatch.setattr(draft_policy, "choose", runs_of_8_plain_and_4_drafts)
+    tails = []
+    real_tail = PlainStepStore._run
+
+    def counted(self, *args):
+        tails.append(True)
+        return real_tail(self, *args)
+
+    monkeypatch.setattr(PlainStepStore, "_run", counted)
+    drafted = {}
+    for store in ("tail", "eager"):
+        if store == "eager":
+            monkeypatch.setattr(PlainStepStore, "tail", lambda self, scheduled: None)
+        llm = _embedded(enable_mtp_varlen=True, speculation_policy="measured", num_speculative_tokens=3,
+                        cuda_graphs="padded-eager")
+        stats = llm.engine.speculator.stats
+        for name, p in PARAMS.items():
+            outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True, **p), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == plain_outputs[name], (store, name)
+        drafted[store] = (stats.num_drafts, stats.num_accepted_tokens)
+        assert llm.engine.overlap.launches["plain"] > 0
+        assert bool(tails) == (store == "tail"), store  # the eager store ran no tail
+        tails.clear()
+        if store == "tail":
+            plain = llm.engine.overlap.launches["plain"]
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.2),
+                         use_tqdm=False)
+            assert llm.engine.overlap.launches["plain"] > plain and not tails
+    assert drafted["tail"] == drafted["eager"] and drafted["tail"][1] > 0

@@ -44,6 +44,7 @@ from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling
 from deepinfer.engine import draft_policy
 from deepinfer.engine.speculation import (accepted_counts, draft_room, drafts_in_accepted_rows, synthetic_key,
                                           verified_lengths)
+from deepinfer.engine.plain_store import PlainStepStore, device_ready
 from deepinfer.engine.run_clock import RunClock
 from deepinfer.engine.steps import DecodeSteps, SpeculativeSteps, StepContext
 from deepinfer.runtime.transfer import to_device, to_host
@@ -127,11 +128,14 @@ class OverlappedSpeculation:
         self.clock = RunClock(self.speculator.policy)  # the measured policy's timing of the steps launched here
         self._plain_next = False  # the policy ended the steady run: the step resolved next keeps no drafts
         # the measured policy's plain steps (no drafts), launched before the host resolves the step in flight as
-        # decoding without drafts is; their rows reach the drafter on the device (``Drafter.store_on_device``),
-        # so drafting resumes after any of them. Without that method plain steps wait for their result.
+        # decoding without drafts is; their rows reach the drafter on the device (``Drafter.store_on_device``, in
+        # the step's graph where it replays one: ``engine/plain_store.py``), so drafting resumes after any of
+        # them. Without that method plain steps wait for their result.
         drafter = self.speculator.drafter
-        self.plain = (DecodeSteps(context, asynchronous=True, after_sampling=self._store_plain)
-                      if self.speculator.policy is not None and hasattr(drafter, "store_on_device") else None)
+        self.plain = None
+        if self.speculator.policy is not None and hasattr(drafter, "store_on_device"):
+            store = PlainStepStore(self.runner, drafter)
+            self.plain = DecodeSteps(context, asynchronous=True, after_sampling=store.store, tail=store.tail)
 
     @property
     def in_flight(self) -> bool:
@@ -201,34 +205,20 @@ class OverlappedSpeculation:
         self.clock.note(len(scheduled), 0, first=not self.plain.in_flight)
         return self.plain.run(scheduled)
 
-    def _store_plain(self, scheduled: ScheduledBatch, sampled: torch.Tensor, features: torch.Tensor | None) -> None:
-        """A plain step's rows into the drafter's state, queued behind its sampling (``DecodeSteps.after_sampling``)."""
-        requests = scheduled.requests
-        live = iter(self.speculator.drafter.device_slots([r for r in requests if not r.finished]))
-        slots = [-1 if r.finished else next(live) for r in requests]
-        index = to_device(torch.tensor([slots, [row.start for row in scheduled]], dtype=torch.int64), sampled.device)
-        self.speculator.drafter.store_on_device(index[0], index[1], sampled, features)
-
     # -- which steps ------------------------------------------------------------------------------
-    def _device_ready(self, request: Request) -> bool:
-        """Nothing of its next steps needs the host: no grammar, no penalties or logit bias, ``min_tokens`` met."""
-        p = request.params
-        return (request.grammar is None and not (p.presence_penalty or p.frequency_penalty or p.logit_bias)
-                and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
-
     def _can_launch(self, scheduled: ScheduledBatch) -> bool:
         """The first step of a steady run: a verification step of decoding requests only, from the host's drafts."""
         if self.speculator.policy is not None and not any(r.num_drafts for r in scheduled.requests):
             return False  # the policy chose plain decoding: a padded verification step would verify nothing
         return (self.runner.replays(scheduled) and not self.runner.model.needs_host_tokens
-                and all(self._device_ready(r) for r in scheduled.requests))
+                and all(device_ready(r) for r in scheduled.requests))
 
     def _schedule_after(self, previous: SpeculativeInFlight) -> ScheduledBatch | None:
         """The next step of a steady run (``Scheduler.schedule_ahead``); None where the host must first see
         ``previous``'s result."""
         self._plain_next = False
         requests = [r for r in previous.requests if not r.finished]
-        if len(requests) > self.runner.graphs.sizes[-1] or not all(self._device_ready(r) for r in requests):
+        if len(requests) > self.runner.graphs.sizes[-1] or not all(device_ready(r) for r in requests):
             return None
         s = self.speculator
         if s.policy is not None and requests:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from deepinfer.engine.inflight import InFlight
+from deepinfer.runner.cuda_graphs import StepTail
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor, host_lists
 from deepinfer.runtime.request import Request
@@ -25,6 +26,7 @@ import torch
 
 from deepinfer.engine.speculation import Speculator, accepted_on_host, synthetic_key
 from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
+from deepinfer.plugins.interfaces import SamplerOutput
 
 
 @dataclass(slots=True)
@@ -75,12 +77,14 @@ class DecodeSteps:
     on the host first when a model or a sampling penalty needs their values; otherwise each step waits for its
     own tokens."""
 
-    def __init__(self, context: StepContext, asynchronous: bool, after_sampling=None):
+    def __init__(self, context: StepContext, asynchronous: bool, after_sampling=None, tail=None):
         self.context, self.asynchronous = context, asynchronous
         self.inflight: InFlight | None = None
-        # (scheduled, sampled on the device, the forward's features) as each step's sampling is queued: the plain
-        # steps of speculative decoding store their rows for the drafter there (``OverlappedSpeculation``)
-        self.after_sampling = after_sampling
+        # speculative decoding's plain steps (``OverlappedSpeculation``) keep the drafter's rows: ``tail(scheduled)``
+        # gives a ``StepTail`` that samples and stores them in the step's graph, or None where it cannot (a grammar,
+        # penalties); ``after_sampling(scheduled, sampled on the device, the forward's features)`` then stores them
+        # as the step's sampling is queued
+        self.after_sampling, self.tail = after_sampling, tail
 
     @property
     def in_flight(self) -> bool:
@@ -99,26 +103,16 @@ class DecodeSteps:
         tokens_on_host = previous is not None and runner.needs_host_tokens(scheduled)
         if tokens_on_host:  # only the values: the outputs (detokenizing, stop checks) still overlap this step
             previous.write_tokens(clock)
-        finished = []
         context.count_step()
-        sampling_requests = scheduled.sampling
-        on_device = previous is not None and not tokens_on_host
-        forward = runner.forward(scheduled, (lambda token_ids: previous.fill(scheduled, token_ids)) if on_device
-                                 else None)
-        if self.inflight is not None:  # still unresolved as this forward pass is launched
+        if self.inflight is not None:  # still unresolved as this step is launched
             context.totals.steps_launched_ahead += 1
-        launched = None
-        if sampling_requests:
-            rows = [(r, 0) for r in sampling_requests]
-            if self.inflight is not None and any(r.grammar is not None for r in sampling_requests):
-                # a grammar's mask needs the previous token accepted: the previous step is resolved now, while
-                # the device runs this step's forward pass (a request it finishes has a row here, discarded later)
-                finished += self.resolve()
-            sampled = runner.sample(forward.logits, rows)
-            if self.after_sampling is not None:
-                self.after_sampling(scheduled, sampled.token_ids, forward.features)
-            launched = InFlight.launch(sampling_requests, sampled, forward.started, clock)
-            clock.lap("sample")
+        fill = (lambda token_ids: previous.fill(scheduled, token_ids)) if previous is not None and not tokens_on_host \
+            else None
+        tail = self.tail(scheduled) if self.tail is not None and runner.replays(scheduled) else None
+        if tail is not None:  # the forward pass, sampling and the tail's work: one replay
+            finished, launched = [], self._launch_with_tail(scheduled, tail, fill)
+        else:
+            finished, launched = self._launch(scheduled, fill)
         if self.inflight is not None:  # the previous step's tokens, while the device runs this one
             finished += self.resolve()
         context.scheduler.update(scheduled)
@@ -126,6 +120,47 @@ class DecodeSteps:
         if launched is not None and not self.asynchronous:
             finished += self.resolve()
         return finished
+
+    def _launch(self, scheduled: ScheduledBatch, fill) -> tuple[list[Request], InFlight | None]:
+        """The step's forward pass, then its sampling queued behind it; returns the requests found finished on
+        the way (a grammar resolves the step before) and the step in flight, if it samples."""
+        context = self.context
+        clock, runner = context.clock, context.runner
+        forward = runner.forward(scheduled, fill)
+        sampling_requests = scheduled.sampling
+        if not sampling_requests:
+            return [], None
+        finished = []
+        if self.inflight is not None and any(r.grammar is not None for r in sampling_requests):
+            # a grammar's mask needs the previous token accepted: the previous step is resolved now, while the
+            # device runs this step's forward pass (a request it finishes has a row here, discarded later)
+            finished += self.resolve()
+        sampled = runner.sample(forward.logits, [(r, 0) for r in sampling_requests])
+        if self.after_sampling is not None:
+            self.after_sampling(scheduled, sampled.token_ids, forward.features)
+        launched = InFlight.launch(sampling_requests, sampled, forward.started, clock)
+        clock.lap("sample")
+        return finished, launched
+
+    def _launch_with_tail(self, scheduled: ScheduledBatch, tail: StepTail, fill) -> InFlight:
+        """A step whose every row samples, replayed with ``tail``, which samples them in the graph: its outputs
+        are the sampler's, padded to the graph's batch (``SamplerOutput``'s fields, in order)."""
+        clock, started = self.context.clock, None
+
+        def complete(inputs):  # the inputs are in place: complete them, time from here
+            nonlocal started
+            clock.lap("prepare")
+            if fill is not None:
+                fill(inputs.token_ids)
+            started = clock.event()
+
+        padded = self.context.runner.forward_with_tail(scheduled, tail, complete, values_on_device=False)
+        clock.lap("forward")
+        count = len(scheduled)
+        sampled = SamplerOutput(*(None if t is None else t[:count] for t in padded))
+        launched = InFlight.launch(scheduled.sampling, sampled, started, clock)
+        clock.lap("sample")
+        return launched
 
     def resolve(self) -> list[Request]:
         """Waits for the step in flight's tokens and hands them to the outputs; returns the requests they end."""

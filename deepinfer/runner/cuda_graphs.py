@@ -64,11 +64,13 @@ class StepTail:
     features [padded rows, F] or None, inputs) -> tensors``, ``features`` being the forward's ``ModelOutput``'s. ``run`` reads its own per-step values from ``inputs.tail`` (static in the graph), which the
     step's one staging copy carries from ``inputs`` (host tensors, one column per padded request). Steps whose
     tails share a ``key`` (and the forward's shape) replay one graph: the key holds every host value ``run``
-    branches on."""
+    branches on. ``one_row``: the step has one row a request (speculative decoding's plain steps), not the graphs'
+    ``tokens_per_request``."""
 
     run: Callable[[torch.Tensor, torch.Tensor | None, StepInputs], tuple[torch.Tensor, ...]]
     inputs: dict[str, torch.Tensor]
     key: Hashable
+    one_row: bool = False
 
 
 # graphs captured in this process so far: a step during which this changed spent seconds capturing (and tuning), so
@@ -119,10 +121,12 @@ class DecodeGraphs:
     def _rows_per_request(self, scheduled: ScheduledBatch, tail: StepTail | None) -> int:
         """A request's rows in this step's graph: one where every request has only its last token (speculative
         decoding's steps without drafts replay a plain step's graph, not a verification step's at the cost of
-        ``tokens_per_request`` rows a request), ``tokens_per_request`` otherwise."""
-        if tail is None and all(row.count == 1 for row in scheduled):
-            return 1
-        return self.tokens_per_request
+        ``tokens_per_request`` rows a request) and the tail, if any, is a one-row step's; ``tokens_per_request``
+        otherwise."""
+        one_row = all(row.count == 1 for row in scheduled)
+        if tail is not None and tail.one_row and not one_row:
+            raise ValueError("a one-row step's tail was given a step with more than one row for a request")
+        return 1 if one_row and (tail is None or tail.one_row) else self.tokens_per_request
 
     def _shape(self, scheduled: ScheduledBatch, tail: StepTail | None = None) -> PaddedShape:
         q = self._rows_per_request(scheduled, tail)

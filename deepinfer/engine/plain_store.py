@@ -1,0 +1,80 @@
+"""How the measured draft policy's plain steps (no drafts) keep the drafter's rows during speculative decoding.
+
+A plain step computes one row a request; the drafter must still hold it (``Drafter.store_on_device``) for drafting
+to resume after the run. Where the step replays from a CUDA graph, its sampling and that store are the graph's tail
+(``StepTail``): the host launches the step with one replay, as a verification step is launched, instead of the
+sampler's and the store's kernels one by one (on a small model those launches cost the host more than the device's
+step). A request whose sampling needs the host (a grammar, penalties, a logit bias, ``min_tokens`` not yet met)
+makes its steps sample eagerly and store behind the sampling (``store``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deepinfer.runner.cuda_graphs import StepTail
+from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling_batch
+from deepinfer.runtime.request import Request
+from deepinfer.runtime.scheduled import ScheduledBatch
+from deepinfer.runtime.transfer import to_device
+
+
+def device_ready(request: Request) -> bool:
+    """Nothing of its next steps needs the host: no grammar, no penalties or logit bias, ``min_tokens`` met."""
+    p = request.params
+    return (request.grammar is None and not (p.presence_penalty or p.frequency_penalty or p.logit_bias)
+            and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
+
+
+class PlainStepStore:
+    """``tail(scheduled)`` for ``DecodeSteps``' graph path, ``store`` for its eager one (``after_sampling``)."""
+
+    __slots__ = ("runner", "drafter")
+
+    def __init__(self, runner: ModelRunner, drafter):
+        self.runner, self.drafter = runner, drafter
+
+    def tail(self, scheduled: ScheduledBatch) -> StepTail | None:
+        """The step's tail (one row a request, padded to the graph's batch: sampling parameters, prompt
+        lengths, the drafter's slots), or None where a request needs the host's sampling."""
+        requests = scheduled.requests
+        if not all(device_ready(r) for r in requests):
+            return None
+        params = [r.params for r in requests]
+        pad = [0] * (self.runner.graphs.padded_requests(len(requests)) - len(requests))
+        # the graph's padding requests: greedy, unseeded, stored nowhere a request reads
+        floats = [[p.temperature for p in params] + pad, [p.top_p for p in params] + [1] * len(pad),
+                  [p.min_p for p in params] + pad]
+        ints = [[max(p.top_k, 0) for p in params] + pad, [sample_seed(r) for r in requests] + [-1] * len(pad),
+                [len(r.prompt_token_ids) for r in requests] + pad, self.slots(requests) + [-1] * len(pad)]
+        flags = SamplingFlags.of(params, self.runner.vocab_size)
+        return StepTail(lambda logits, features, inputs: self._run(logits, features, inputs, flags),
+                        {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
+                         "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}, ("plain", flags), one_row=True)
+
+    def _run(self, logits: torch.Tensor, features: torch.Tensor | None, inputs, flags: SamplingFlags
+             ) -> tuple[torch.Tensor | None, ...]:
+        """On the device, every (padded) request's row sampled, then stored for the drafter. Returns
+        ``SamplerOutput``'s fields."""
+        temperature, top_p, min_p = inputs.tail["floats"]
+        top_k, seeds, prompt_lengths, slots = inputs.tail["ints"]
+        positions = inputs.positions
+        # a row at position p samples output position p + 1 - the prompt's length
+        sampled = self.runner.sampler.sample(logits, sampling_batch(temperature, top_k, top_p, min_p, seeds,
+                                                                    positions + 1 - prompt_lengths, flags))
+        self.drafter.store_on_device(slots, positions, sampled.token_ids, features)
+        return sampled.token_ids, sampled.logprobs, sampled.top_logprob_ids, sampled.top_logprobs
+
+    def store(self, scheduled: ScheduledBatch, sampled: torch.Tensor, features: torch.Tensor | None) -> None:
+        """An eagerly sampled step's rows into the drafter's state, queued behind its sampling."""
+        index = to_device(torch.tensor([self.slots(scheduled.requests), [row.start for row in scheduled]],
+                                       dtype=torch.int64), sampled.device)
+        self.drafter.store_on_device(index[0], index[1], sampled, features)
+
+    def slots(self, requests: list[Request]) -> list[int]:
+        """Each request's slot in the drafter's state; -1 (written nowhere a request reads) for one found
+        finished after it was scheduled."""
+        live = iter(self.drafter.device_slots([r for r in requests if not r.finished]))
+        return [-1 if r.finished else next(live) for r in requests]
