@@ -234,6 +234,7 @@ def test_metrics(server):
     text = httpx.get(server[1] + "/metrics").text
     assert "# TYPE deepinfer_steps_total counter" in text and "deepinfer_running 0" in text
     assert "deepinfer_cuda_graph_captures_total 0" in text  # no CUDA graphs on a CPU
+    assert "# TYPE deepinfer_kernel_compiles_total counter" in text
 
 
 def test_api_key_and_queue_bound():

@@ -283,12 +283,13 @@ async def _one(client, gate, model: str, prompt: list[int], args) -> dict:
 
 
 def _during(before: dict[str, float], after: dict[str, float]) -> dict:
-    """What the server's engine did during a timed run: its steps, and the CUDA graphs it captured (seconds each:
-    a capture there is a stall its warm-up did not take); None where the server does not count them."""
+    """What the server's engine did during a timed run: its steps, and the CUDA graphs it captured and Triton
+    kernels it built (each a stall its warm-up did not take); None where the server does not count them."""
     def delta(name: str) -> int | None:
         return int(after[name] - before[name]) if name in before and name in after else None
 
-    return {"engine_steps": delta("steps"), "graph_captures": delta("cuda_graph_captures")}
+    return {"engine_steps": delta("steps"), "graph_captures": delta("cuda_graph_captures"),
+            "kernel_compiles": delta("kernel_compiles")}
 
 
 def _metrics(outcomes: list[dict], duration: float, args, rate: float, bound: int | None, model: str) -> dict:
@@ -330,7 +331,8 @@ def _print(result: dict, args) -> None:
             ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),
-            ("Engine steps", result.get("engine_steps")), ("CUDA graphs captured", result.get("graph_captures"))]
+            ("Engine steps", result.get("engine_steps")), ("CUDA graphs captured", result.get("graph_captures")),
+            ("Triton kernels built", result.get("kernel_compiles"))]
     for name in ("ttft", "tpot", "itl"):
         rows += [(f"Mean {name.upper()} (ms)", f"{result[f'mean_{name}_ms']:.2f}"),
                  (f"Median {name.upper()} (ms)", f"{result[f'median_{name}_ms']:.2f}")]

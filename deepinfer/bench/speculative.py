@@ -27,6 +27,7 @@ import time
 
 from deepinfer.bench.throughput import _add_common, _release, _synchronize, build_llm
 from deepinfer.runner import cuda_graphs
+from deepinfer.runtime import kernel_compiles
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -104,7 +105,7 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
     _synchronize()
     prefill = time.perf_counter() - start
     llm.engine.step_metrics.reset()
-    captures = cuda_graphs.captures
+    captures, compiles = cuda_graphs.captures, kernel_compiles.count()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     _synchronize()
@@ -117,6 +118,7 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
               "token_ids": [o.outputs[0].token_ids for o in outputs],
               # CUDA graphs captured inside the timed run (seconds each): shapes its warm-up did not meet
               "graph_captures": cuda_graphs.captures - captures,
+              "kernel_compiles": kernel_compiles.count() - compiles,  # Triton's, likewise
               # verification steps launched before the host had the previous one's result
               "overlapped_steps": (overlap.launches["following"] - overlapped_before) if overlap is not None else 0}
     if stats is not None:

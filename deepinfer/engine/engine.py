@@ -17,6 +17,7 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.overlapped_speculation import OverlappedSpeculation
 from deepinfer.engine.image_inputs import prepare_images
 from deepinfer.runtime.images import ImageSpan
+from deepinfer.runtime import kernel_compiles
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
 from deepinfer.engine.steps import StepContext
@@ -37,6 +38,7 @@ class LLMEngine:
         """``ranks``: this process's place in a parallel job (``deepinfer.parallel``); each rank's engine owns its
         own requests and caches."""
         self.config = config
+        kernel_compiles.start_counting()
         load_plugins()
         check_feature_plugins(config)
         call_all("deepinfer_configure_engine", config=config)
@@ -203,6 +205,7 @@ class LLMEngine:
         counters = {**self.totals.as_dict(), "preemptions": self.scheduler.num_preemptions,
                     # the process's CUDA-graph captures (seconds each): one inside a timed run explains a stall
                     "cuda_graph_captures": cuda_graphs.captures,
+                    "kernel_compiles": kernel_compiles.count(),  # Triton's, likewise (runtime/kernel_compiles.py)
                     "running": len(self.scheduler.running),
                     "waiting": len(self.scheduler.waiting),
                     "cache_usage": {kind: round(used, 4) for kind, used in self.blocks.usage().items()}}

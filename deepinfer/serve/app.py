@@ -221,7 +221,7 @@ def _prometheus(counters: dict) -> str:
     """The engine's counters in Prometheus' text format: totals as counters, the rest as gauges."""
     totals = {"steps", "prompt_tokens", "cached_prompt_tokens", "generation_tokens", "finished_requests",
               "aborted_requests", "preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-              "cuda_graph_captures"}
+              "cuda_graph_captures", "kernel_compiles"}
     lines = []
     for name, value in counters.items():
         if isinstance(value, dict):

@@ -274,7 +274,7 @@ if has spec; then  # DSpark drafts on the embedded model, verification and draft
     [[ ${SPEC_MODEL:-} == /tmp/* ]] && python -m deepinfer.testing.flash_fixtures "${SPEC_MODEL#/tmp/}" "$SPEC_MODEL" >/dev/null
     timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes ${SPEC_BATCHES:-1 32} \
         --output-len ${SPEC_OUTPUT_LEN:-128} ${SPEC_ARGS:-} --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
-    python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], 'captures', v[m].get('graph_captures'), v[m].get('policy_choices'), v[m].get('policy_costs_ms'), v[m].get('policy_recent_ms'), v[m].get('policy_acceptance'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]; [print(b, 'same tokens', v.get('same_tokens'), v.get('same_tokens_requests'), 'speedup', v.get('speedup')) for b, v in r.items() if b.startswith('batch')]" "$out/speculative.json"
+    python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], 'captures', v[m].get('graph_captures'), 'compiles', v[m].get('kernel_compiles'), v[m].get('policy_choices'), v[m].get('policy_costs_ms'), v[m].get('policy_recent_ms'), v[m].get('policy_acceptance'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]; [print(b, 'same tokens', v.get('same_tokens'), v.get('same_tokens_requests'), 'speedup', v.get('speedup')) for b, v in r.items() if b.startswith('batch')]" "$out/speculative.json"
 fi
 if has policy; then  # the measured policy's booked costs against its steps' steady periods (POLICY_BATCHES; issue 42)
     for b in ${POLICY_BATCHES:-32 1}; do
@@ -305,7 +305,7 @@ if has serve; then  # deepinfer bench serve on loopback (the embedded model, SER
     stamp "serve"
     timeout ${SERVE_TIMEOUT:-300} "${bench[@]}" serve --model deepinfer-tiny-v4.1 --dtype bfloat16 --num-prompts 64 --num-warmups 64 \
         --random-input-len 64 --random-output-len 64 --ignore-eos --max-concurrency ${SERVE_CONCURRENCY:-1 8 32 64} \
-        --save-result --result-dir "$out/serve" 2>&1 | grep -E "Error|error|Max concurrency|Output token throughput|Mean TTFT|Mean TPOT|Median ITL|Engine steps|CUDA graphs captured" | head -40
+        --save-result --result-dir "$out/serve" 2>&1 | grep -E "Error|error|Max concurrency|Output token throughput|Mean TTFT|Mean TPOT|Median ITL|Engine steps|CUDA graphs captured|Triton kernels built" | head -40
     timeout 200 "${bench[@]}" throughput --model deepinfer-tiny-v4.1 --dtype bfloat16 --input-len 64 --output-len 64 \
         --num-prompts 64 --output-json "$out/throughput_tiny_64.json" 2>&1 | grep -E "Error|error" | head -4
     python -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: v for k, v in r.items() if k != 'machine'})" "$out/throughput_tiny_64.json"
