@@ -25,8 +25,8 @@ The rule (``choose``), for the step about to be drafted for, over the lengths th
 
 Wall time is what a synchronous step costs the engine whatever the device does (the step waits for its result);
 an overlapped step (``engine/overlapped_speculation.py``) is timed launch to launch, its period in steady decoding,
-and only inside a run of steps of its length (``engine/run_clock.py``: a run's first period and its last step's
-wait are not steady).
+and only inside a run of steps of its length (``engine/run_clock.py``: a run's first two periods and its last
+step's wait are not steady).
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ logger = init_logger(__name__)
 WARMUP_SAMPLES = 2  # timed steps per (bucket, length) before the policy trusts its cost
 PROBE_BUDGET = 0.01  # the share of a bucket's throughput that re-timing the lengths other than the best may cost
 MIN_PROBE_INTERVAL = 16  # decisions between re-timings of one length at least, however close it is to the best
-PROBE_HOLD = 4  # decisions a probe is held for until its length is timed: a run's first period is not booked
+# decisions a probe is held for until its length is timed: the overlapped steps book a run's periods from its third
+# step's, at the fourth launch (``engine/run_clock.py``), so a probe needs four decisions; one more for slack
+PROBE_HOLD = 5
 # drafts must promise this much more than plain decoding per second: a step's count is a mean over its requests, and
 # the ones that accept less than the mean end later, decoding in small batches that cost nearly a full step each
 # (the embedded model at batch 8 on a CPU: +16% per step predicted for 5 drafts, 0.87x realized)

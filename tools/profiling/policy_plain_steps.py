@@ -3,8 +3,8 @@
 Runs the embedded model (or ``--model``) at one batch in one process: decoding without drafts, speculative decoding
 with the measured policy forced to choose no drafts, forced to choose the longest, and forced to alternate in runs
 (``--pattern``: e.g. 8 decisions of the longest, then 4 of none); reports tok/s, the policy's booked step costs, and
-for the pattern each booked period by its step's place in its run, so a booked cost can be set against the steps'
-steady period and a run's transitions seen.
+for the pattern every period (and the booked ones) by its step's place in its run, so a booked cost can be set
+against the steps' steady period and a run's transitions seen.
 
     python tools/profiling/policy_plain_steps.py --batch-size 32 --output-len 128
 """
@@ -37,7 +37,7 @@ def _forced(args, engine: dict, prompts, params, forced) -> dict:
     longest_run, plain_run = (int(n) for n in args.pattern.split(","))
     llm = LLM(args.model, enable_mtp_varlen=True, speculation_policy="measured", **engine)
     overlap, policy = llm.engine.overlap, llm.engine.speculator.policy
-    decisions, place, booked = [0], [0], {}
+    decisions, booked, periods, last = [0], {}, {}, [None]
 
     def choose(p, requests, choices):
         real_choose(p, requests, choices)  # its bookkeeping
@@ -46,15 +46,18 @@ def _forced(args, engine: dict, prompts, params, forced) -> dict:
             return (max(choices) if decisions[0] % (longest_run + plain_run) < longest_run else 0), "best"
         return (forced if forced is not None else max(choices)), "best"
 
-    class Placing(RunClock):  # each launch's place in its run
+    class Placing(RunClock):  # every period inside a run (booked or not) by its step's place in the run
         __slots__ = ()
 
         def note(self, requests, drafts, first):
-            place[0] = 1 if first else place[0] + 1
+            now = time.perf_counter()
+            if not first and last[0] is not None:  # self.place: the step before's, whose period ends now
+                periods.setdefault(f"k{drafts}/step{self.place}", []).append((now - last[0]) * 1e3)
+            last[0] = now
             super().note(requests, drafts, first)
 
     def record(p, requests, k, seconds):  # the step booked is the last one noted: its place in its run
-        booked.setdefault(f"k{k}/step{place[0]}", []).append(seconds * 1e3)
+        booked.setdefault(f"k{k}/step{overlap.clock.place}", []).append(seconds * 1e3)
         real_record(p, requests, k, seconds)
 
     overlap.clock = Placing(policy)
@@ -66,10 +69,14 @@ def _forced(args, engine: dict, prompts, params, forced) -> dict:
     result = {"tok_s": rate, "ms_a_token": round(len(prompts) / rate * 1e3, 3),  # a request's wait per token
               "booked_ms": {f"b{b}/k{k}": round(s * 1e3, 3) for (b, k), s in sorted(policy.costs.items())},
               "launches": dict(overlap.launches)}
-    if forced == "pattern":  # [periods booked, their median] by (length, the step's place in its run)
-        result["booked_by_place_ms"] = {key: [len(v), round(sorted(v)[len(v) // 2], 3)]
-                                        for key, v in sorted(booked.items())}
+    if forced == "pattern":  # [periods, their median] by (length, the step's place in its run)
+        result["booked_by_place_ms"] = _medians(booked)
+        result["periods_by_place_ms"] = _medians(periods)
     return result
+
+
+def _medians(samples: dict[str, list[float]]) -> dict[str, list]:
+    return {key: [len(v), round(sorted(v)[len(v) // 2], 3)] for key, v in sorted(samples.items())}
 
 
 def main() -> None:
