@@ -17,7 +17,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.chat_encoding import _dsml  # noqa: E402
 from deepinfer.serve.app import create_app  # noqa: E402
-from deepinfer.serve.engine_loop import Admitted, Delta  # noqa: E402
+from deepinfer.serve.engine_loop import Admitted, Delta, deliver  # noqa: E402
 # the same module-scoped fixtures (a server admitting 64 requests, its client, the offline engine, one intra-op
 # thread), one per module
 from test_serve import (MODEL, PROMPTS, _client, _serve, _stop, client, offline,  # noqa: E402, F401
@@ -35,19 +35,16 @@ class _ScriptedLoop:
     """Stands in for EngineLoop: every submission is admitted and answered with ``text``, a few characters a delta,
     so the HTTP side (parsing, streaming, finish reasons) runs as it does over the engine."""
 
-    alive, counters = True, {}
+    alive, counters, max_model_len = True, {}, 4096
 
     def __init__(self, text: str):
         self.text, self.prompts = text, []
-        self.engine = type("Engine", (), {"max_model_len": 4096})()
 
     def submit(self, submission):
         self.prompts.append(submission.prompt)
-        submission.send(Admitted(3))
         pieces = [self.text[i:i + 7] for i in range(0, len(self.text), 7)]
-        for k, piece in enumerate(pieces):
-            last = k == len(pieces) - 1
-            submission.send(Delta(0, piece, k + 1, "stop" if last else None))
+        deliver([(submission, Admitted(3))] + [(submission, Delta(0, piece, k + 1, "stop" if k == len(pieces) - 1
+                                                                   else None)) for k, piece in enumerate(pieces)])
 
     def abort(self, submission):
         pass
@@ -225,7 +222,7 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server):
 
 def test_the_engines_refusals_name_their_field(server, client):
     """EngineLoop._admit maps each check's refusal to its own field: the prompt's length, the schema."""
-    too_long = [5] * (server[0].engine.max_model_len + 1)
+    too_long = [5] * (server[0].max_model_len + 1)
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=too_long, max_tokens=1)
     assert refused.value.body["param"] == "prompt" and "max_model_len" in refused.value.body["message"]
@@ -272,7 +269,7 @@ def test_a_named_function_is_called_with_arguments_that_match_its_schema(client)
 def test_required_makes_the_model_call_a_tool(server, client):
     # the tiny model, forced into the block, repeats calls until max_tokens; a bias on "</" (allowed by the grammar
     # only where a tag closes) ends the block after the first call
-    close = server[0].llm.tokenizer.convert_tokens_to_ids("</")
+    close = server[0].tokenizer.convert_tokens_to_ids("</")
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=UNITS, tool_choice="required",
         max_tokens=300, temperature=0, logit_bias={str(close): 100}, stream=True))
@@ -325,7 +322,7 @@ def test_calls_that_break_their_schema_come_back_flagged(scripted):
 # -- echo, logit_bias ------------------------------------------------------------------------------------------
 
 def test_echo_leads_each_choice_with_its_prompt(server, client):
-    ids = server[0].llm.tokenizer.encode(PROMPTS[0])
+    ids = server[0].tokenizer.encode(PROMPTS[0])
     plain = client.completions.create(model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=6, temperature=0)
     echoed = client.completions.create(model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=6, temperature=0,
                                        echo=True)
@@ -336,7 +333,7 @@ def test_echo_leads_each_choice_with_its_prompt(server, client):
     texts = ["", ""]
     for chunk in stream:
         texts[chunk.choices[0].index] += chunk.choices[0].text
-    prompt_text = server[0].llm.tokenizer.decode(ids)
+    prompt_text = server[0].tokenizer.decode(ids)
     whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=1, seed=5, n=2)
     assert texts == [prompt_text + c.text for c in whole.choices]
 
@@ -344,7 +341,7 @@ def test_echo_leads_each_choice_with_its_prompt(server, client):
 def test_logit_bias_forces_bans_and_keeps_seeded_sampling_deterministic(server, client, offline):
     forced = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
                                        logit_bias={"100": 100})
-    assert forced.choices[0].text == server[0].llm.tokenizer.decode([100] * 6)
+    assert forced.choices[0].text == server[0].tokenizer.decode([100] * 6)
     greedy = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     ban = {t: -100 for t in greedy[0].outputs[0].token_ids}
     want = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, logit_bias=ban), use_tqdm=False)

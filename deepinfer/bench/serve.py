@@ -202,7 +202,7 @@ def _serve_in_child(args, pipe) -> None:
             if server.should_exit:  # it failed to start: the process ends, and the parent reads why from its exit
                 return
             time.sleep(0.02)
-        pipe.send(("ready", (port, loop.engine.model_config.vocab_size)))
+        pipe.send(("ready", (port, loop.vocab_size)))
         try:
             pipe.recv()
         except EOFError:  # the parent went away

@@ -52,7 +52,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "deepinfer", "max_model_len": loop.engine.max_model_len}]}
+                                            "owned_by": "deepinfer", "max_model_len": loop.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -68,7 +68,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
                                   events=events) for i, p in enumerate(prompts)]
         run = await _start(loop, submissions, events)
         # echo: each prompt's text leads its choices' text (token-id prompts decoded, special tokens kept)
-        echoes = [p if isinstance(p, str) else loop.llm.tokenizer.decode(p) for p in prompts] if body.echo else None
+        echoes = [p if isinstance(p, str) else loop.tokenizer.decode(p) for p in prompts] if body.echo else None
         response = Completion(body, model_name, run, echoes)
         return _stream(response, run, loop) if body.stream else await _collect(response, run, loop, http)
 

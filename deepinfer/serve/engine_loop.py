@@ -59,11 +59,24 @@ class Submission:
     requests: list[Request] = field(default_factory=list)
     shown: list[tuple[int, int]] = field(default_factory=list)  # per sample: (characters, logprobs) sent
 
-    def send(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
+    def order(self) -> dict:
+        """What the engine needs of it, as plain values (``engine_process.py`` sends them to the engine's
+        process, which makes a ``Submission`` of them there)."""
+        return {name: getattr(self, name) for name in ("prompt", "params", "fill_max_tokens", "add_special_tokens",
+                                                       "name", "constrained_by", "images", "index")}
 
 
-def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
+def deliver(items: list[tuple["Submission", object]]) -> None:
+    """Each (submission, event) to its submission's queue, in one callback per event loop: a wake-up of the HTTP
+    thread per step, not per stream (64 streams cost 64 self-pipe writes and loop iterations a step otherwise)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for submission, event in items:
+        by_loop.setdefault(submission.loop, []).append((submission.events, (submission.index, event)))
+    for loop, events in by_loop.items():
+        loop.call_soon_threadsafe(_put, events)
+
+
+def _put(events: list[tuple[asyncio.Queue, tuple]]) -> None:
     for destination, item in events:
         destination.put_nowait(item)
 
@@ -75,10 +88,13 @@ class Overloaded(APIError):
 
 
 class EngineLoop:
-    """``submit`` and ``abort`` may be called from any thread; everything else runs on the loop's own thread."""
+    """``submit`` and ``abort`` may be called from any thread; everything else runs on the loop's own thread, which
+    hands each step's events to ``send`` (``deliver``: to the submissions' event loops in this process)."""
 
-    def __init__(self, llm, max_queued: int):
-        self.llm, self.engine, self.max_queued = llm, llm.engine, max_queued
+    def __init__(self, llm, max_queued: int, send=deliver):
+        self.llm, self.engine, self.max_queued, self._send = llm, llm.engine, max_queued, send
+        self.max_model_len, self.vocab_size = llm.engine.max_model_len, llm.engine.model_config.vocab_size
+        self.tokenizer = llm.tokenizer
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._outstanding = 0  # submissions not yet finished: what --max-queued bounds
@@ -132,8 +148,8 @@ class EngineLoop:
         except BaseException as exc:  # the server cannot go on without its engine: every waiting client is told
             logger.exception("the engine loop failed")
             self.error = exc
-            for submission in self._active:
-                submission.send(APIError(500, f"the engine failed: {exc!r}", type="server_error"))
+            self._send([(submission, APIError(500, f"the engine failed: {exc!r}", type="server_error"))
+                        for submission in self._active])
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -161,7 +177,7 @@ class EngineLoop:
         submission.requests.extend(self.llm.submit(submission.prompt, params, encoded=(text, token_ids, images)))
         submission.shown = [(0, 0)] * params.n
         self._active.append(submission)
-        submission.send(Admitted(len(token_ids)))
+        self._send([(submission, Admitted(len(token_ids)))])
 
     def _checked(self, submission: Submission) -> tuple[list[int], tuple, SamplingParams]:
         """The prompt's token ids (image spans expanded), its images and the params to run, or an ``APIError``
@@ -178,7 +194,7 @@ class EngineLoop:
             raise invalid(str(exc)) from None
         params = submission.params
         try:
-            params.check_vocabulary(self.engine.model_config.vocab_size)
+            params.check_vocabulary(self.vocab_size)
         except ValueError as exc:
             raise invalid(str(exc), "logit_bias") from None
         if submission.fill_max_tokens:
@@ -196,12 +212,11 @@ class EngineLoop:
     def _refuse(self, submission: Submission, error: APIError) -> None:
         with self._lock:
             self._outstanding -= 1
-        submission.send(error)
+        self._send([(submission, error)])
 
     def _route(self) -> None:
-        """Each step's deltas go to their event loops in one callback per loop: a wake-up of the HTTP thread per
-        step, not per stream (64 streams cost 64 self-pipe writes and loop iterations a step otherwise)."""
-        outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        """Each step's new text (and logprobs, and ends) as one ``Delta`` a sample, all of them sent at once."""
+        outbox = []
         for submission in list(self._active):
             for request in submission.requests:
                 text, (shown, shown_logprobs) = request.detokenizer.text, submission.shown[request.sample_index]
@@ -213,14 +228,14 @@ class EngineLoop:
                 if len(text) > shown or booked > shown_logprobs or request.finished:
                     logprobs = None if request.logprobs is None else list(zip(
                         request.output_token_ids[shown_logprobs:booked], request.logprobs[shown_logprobs:booked]))
-                    delta = Delta(request.sample_index, text[shown:], request.num_output_tokens,
-                                  request.finish_reason if request.finished else None, request.stop_reason, logprobs)
-                    outbox.setdefault(submission.loop, []).append((submission.events, (submission.index, delta)))
+                    outbox.append((submission, Delta(request.sample_index, text[shown:], request.num_output_tokens,
+                                                     request.finish_reason if request.finished else None,
+                                                     request.stop_reason, logprobs)))
                     submission.shown[request.sample_index] = (-1, -1) if request.finished else (len(text), booked)
             if all(r.finished for r in submission.requests):
                 self._done(submission)
-        for loop, events in outbox.items():
-            loop.call_soon_threadsafe(_deliver, events)
+        if outbox:
+            self._send(outbox)
 
     def _done(self, submission: Submission) -> None:
         self._active.remove(submission)
