@@ -32,7 +32,8 @@ PROMPTS = ["import os", "def fibonacci(n):", "class Stack:", "for i in range(", 
 def _serve(extra=()):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    loop, app = cli.build(parser.parse_args([*ENGINE, *extra]))
+    # the engine on a thread of this process: the tests read its engine (test_serve_process.py: in its own)
+    loop, app = cli.build(parser.parse_args([*ENGINE, "--no-engine-process", *extra]))
     if structured_plugin is not None:  # under test installed plugins are not loaded: the engine takes it now
         with registered(structured_plugin, "structured_outputs"):
             loop.engine.structured_outputs()

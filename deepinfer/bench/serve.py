@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--result-dir", default=".")
     bench.add_argument("--result-filename", help="the JSON's file name (one run only)")
     bench.add_argument("--max-queued", type=int, default=4096, help="the in-process server's --max-queued")
+    bench.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="the in-process server's engine in a process of its own, as deepinfer serve runs it")
 
 
 def main(args: argparse.Namespace) -> list[dict]:
@@ -133,8 +135,9 @@ class _Server:
 
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or device state inherited
         self.pipe, child_end = context.Pipe()
-        self.process = context.Process(target=_serve_in_child, args=(args, child_end), name="deepinfer-bench-server",
-                                       daemon=True)
+        # not a daemon: its engine may run in a process of its own (a daemon may have none); it ends when this
+        # process says stop or goes away
+        self.process = context.Process(target=_serve_in_child, args=(args, child_end), name="deepinfer-bench-server")
         self.process.start()
         child_end.close()
         try:

@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' to /v1/*")
     server.add_argument("--max-queued", type=int, default=256,
                         help="unfinished requests the server holds (running or waiting); past it a request gets 503")
+    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the engine in a process of its own, so that the HTTP event loop and the engine's "
+                             "steps do not share one interpreter lock (--no-engine-process: on a thread of the "
+                             "server's process)")
     server.add_argument("--served-model-name", help="the model name clients ask for (default: --model, or the "
                                                     "checkpoint's directory name)")
     parser.set_defaults(run=run_serve)

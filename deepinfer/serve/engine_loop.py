@@ -54,6 +54,7 @@ class Submission:
     constrained_by: str = "response_format"  # the HTTP field its params' so_args come from: refusals name it
     images: list = field(default_factory=list)  # a chat's image parts (URLs, data: URLs), one placeholder each
     index: int = 0  # which of its HTTP request's prompts: events go out as (index, event), queues may be shared
+    key: int | None = None  # its name between the server's process and the engine's (``engine_process.py``)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     requests: list[Request] = field(default_factory=list)
@@ -145,11 +146,15 @@ class EngineLoop:
                     self.engine.step()
                     self._route()
                 self.counters = self.engine.counters()  # also after an abort, which no step may follow
+                self._counted()
         except BaseException as exc:  # the server cannot go on without its engine: every waiting client is told
             logger.exception("the engine loop failed")
             self.error = exc
             self._send([(submission, APIError(500, f"the engine failed: {exc!r}", type="server_error"))
                         for submission in self._active])
+
+    def _counted(self) -> None:
+        """After each turn of the loop, ``counters`` refreshed (the engine's process publishes them here)."""
 
     def _drain(self, block: bool) -> None:
         while True:

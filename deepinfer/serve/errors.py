@@ -13,6 +13,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
+    def __reduce__(self):  # it crosses from the engine's process to the server's (``engine_process.py``)
+        return APIError, (self.status, self.message, self.param, self.type, self.code)
+
     def response(self) -> JSONResponse:
         return JSONResponse(status_code=self.status, content={"error": {
             "message": self.message, "type": self.type, "param": self.param, "code": self.code}})

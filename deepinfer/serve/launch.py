@@ -21,24 +21,34 @@ def require_server_packages() -> None:
         raise ServerUnavailable(f"deepinfer serve needs {' and '.join(missing)}: pip install 'deepinfer[serve]'")
 
 
-def build(args):
-    """The engine loop (not started yet: until then the engine may be prepared from this thread) and the app for
-    ``args``; ``run_serve`` and the tests serve it."""
-    from deepinfer import LLM
+def build(args, plugins: tuple = ()):
+    """The engine's loop (not started yet) and the app for ``args``; ``run_serve`` and the tests serve it. With
+    ``args.engine_process`` (the default) the loop is ``EngineProcess``: ``start`` spawns the engine's process and
+    loads the model there (``plugins``: (module, name) pairs it registers first); otherwise ``EngineLoop`` on a
+    thread of this process, its engine loaded here (until ``start`` it may be prepared from this thread)."""
     from deepinfer.loading.model_source import resolve_model_dir
 
     require_server_packages()
     from deepinfer.serve.app import create_app
-    from deepinfer.serve.engine_loop import EngineLoop
 
     if args.max_queued < 1:
         raise ValueError(f"--max-queued must be >= 1, got {args.max_queued}")
-    llm = LLM(args.model, **engine_arguments(args))
-    if llm.ranks is not None:
-        raise NotImplementedError("deepinfer serve runs one process; data/expert/context parallelism is not "
-                                  "supported by the server yet")
-    loop = EngineLoop(llm, args.max_queued)
+    if args.engine_process:
+        from deepinfer.serve.engine_process import EngineProcess
+
+        loop = EngineProcess(args.model, engine_arguments(args), args.max_queued, plugins)
+    else:
+        loop = _engine_loop(args)
     name = args.served_model_name or args.model or Path(resolve_model_dir(None)).name
     return loop, create_app(loop, name, args.api_key)
 
 
+def _engine_loop(args):
+    from deepinfer import LLM
+    from deepinfer.serve.engine_loop import EngineLoop
+
+    llm = LLM(args.model, **engine_arguments(args))
+    if llm.ranks is not None:
+        raise NotImplementedError("deepinfer serve runs one process; data/expert/context parallelism is not "
+                                  "supported by the server yet")
+    return EngineLoop(llm, args.max_queued)
