@@ -15,7 +15,7 @@ KEYS |= {f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p99") for na
 
 
 def test_a_small_sweep_reports_vllm_keys(tmp_path, capsys):
-    main(["bench", "serve", "--model", "deepinfer-tiny-v4.1", "--num-prompts", "4", "--random-input-len", "8",
+    main(["bench", "serve", "--model", "deepinfer-tiny-v4.1", "--num-prompts", "4", "--random-input-len", "300",
           "--random-output-len", "4", "--ignore-eos", "--max-concurrency", "1", "4", "--save-result",
           "--result-dir", str(tmp_path)])
     assert capsys.readouterr().out.count("Serving Benchmark Result") == 2
@@ -24,12 +24,14 @@ def test_a_small_sweep_reports_vllm_keys(tmp_path, capsys):
     for result in results:
         assert KEYS <= set(result)
         assert result["completed"] == 4 and result["failed"] == 0 and result["request_rate"] == "inf"
-        assert result["total_input_tokens"] == 4 * 8 and result["total_output_tokens"] == 4 * 4
+        assert result["total_input_tokens"] == 4 * 300 and result["total_output_tokens"] == 4 * 4
         assert result["output_throughput"] == pytest.approx(16 / result["duration"])
         assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"] and result["mean_tpot_ms"] > 0
         # the server's engine during the timed run (its /metrics): 4 tokens a request take at least 4 steps; a CPU
-        # captures no CUDA graph and builds no Triton kernel
+        # captures no CUDA graph and builds no Triton kernel; no run's prompt was in the prefix cache (each run and
+        # warm-up draws its own: 300 tokens would share a cached 256)
         assert result["engine_steps"] >= 4 and result["graph_captures"] == result["kernel_compiles"] == 0
+        assert result["cached_prompt_tokens"] == 0
 
 
 def test_bad_flags_are_refused_naming_them(capsys):

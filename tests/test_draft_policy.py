@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.engine import draft_policy
-from deepinfer.engine.draft_policy import (MIN_PROBE_INTERVAL, PROBE_BUDGET, WARMUP_SAMPLES, DraftPolicy,
-                                           batch_bucket, best_length, choose, expected_tokens, record_acceptance,
-                                           record_cost, tokens_per_second)
+from deepinfer.engine.draft_policy import (MIN_PROBE_INTERVAL, PROBE_BUDGET, PROBE_STEPS, WARMUP_SAMPLES,
+                                           DraftPolicy, batch_bucket, best_length, choose, expected_tokens,
+                                           record_acceptance, record_cost, tokens_per_second)
 
 
 def _measured(max_drafts: int, bucket: int, cost_of, rate: float | list[float]) -> DraftPolicy:
@@ -116,18 +116,19 @@ def test_probes_re_time_the_other_lengths_within_the_budget_on_a_fixed_schedule(
             record_cost(policy, 4, k, DEAR_ROWS(k))
         return policy, made
 
-    policy, made = run(400)
+    policy, made = run(1600)
     rates = tokens_per_second(policy, 4, choices)
     assert max(rates, key=rates.get) == 0  # drafts do not pay here: plain decoding is the best
     probes = [(i, k) for i, (k, reason) in enumerate(made) if reason == "probe"]
-    # the closest to the best is due first, after 3 (1 - r) / PROBE_BUDGET decisions
-    first_due = min(3 * (1 - rates[k] / rates[0]) / PROBE_BUDGET for k in (1, 2, 3))
+    # the closest to the best is due first, after 3 s (1 - r) / PROBE_BUDGET decisions (a probe runs s steps)
+    first_due = min(3 * PROBE_STEPS * (1 - rates[k] / rates[0]) / PROBE_BUDGET for k in (1, 2, 3))
     assert probes[0][0] == int(-(-first_due // 1)) and probes[0][1] == 1
     assert {k for _, k in probes} == {1, 2, 3}  # every other length is seen again
-    lost = sum(1 - rates[k] / rates[0] for _, k in probes)  # in best-length steps
+    # in best-length steps, each probe priced at the steps it runs in the overlapped steps (here: one, timed at once)
+    lost = sum(PROBE_STEPS * (1 - rates[k] / rates[0]) for _, k in probes)
     assert lost <= 1.5 * PROBE_BUDGET * len(made)
     assert all(k == 0 for k, reason in made if reason == "best")
-    assert run(400)[1] == made
+    assert run(1600)[1] == made
 
 
 def test_a_probe_is_held_until_its_length_is_timed_or_for_probe_hold_decisions():
@@ -136,7 +137,7 @@ def test_a_probe_is_held_until_its_length_is_timed_or_for_probe_hold_decisions()
     timed is let go after PROBE_HOLD decisions."""
     choices = (0, 1, 2, 3)
     policy = _measured(3, 4, DEAR_ROWS, 0.1)
-    made = [choose(policy, 4, choices) for _ in range(400)]
+    made = [choose(policy, 4, choices) for _ in range(1600)]
     first = next(i for i, (_, reason) in enumerate(made) if reason == "probe")
     probed = made[first][0]
     assert made[first:first + draft_policy.PROBE_HOLD] == [(probed, "probe")] * draft_policy.PROBE_HOLD
@@ -421,3 +422,11 @@ def test_plain_steps_sample_and_store_inside_their_graph(plain_outputs, monkeypa
                          use_tqdm=False)
             assert llm.engine.overlap.launches["plain"] > plain and not tails
     assert drafted["tail"] == drafted["eager"] and drafted["tail"][1] > 0
+
+
+def test_a_probe_is_priced_and_held_for_the_steps_the_clock_needs():
+    """The overlapped steps book a run's periods from its STEADY_FROM-th step's, at the next launch: a probe runs
+    that many steps plus one, which its due time prices, and is held at least as long."""
+    from deepinfer.engine.run_clock import STEADY_FROM
+
+    assert draft_policy.PROBE_STEPS == STEADY_FROM + 1 and draft_policy.PROBE_HOLD >= draft_policy.PROBE_STEPS

@@ -74,11 +74,15 @@ def main(args: argparse.Namespace) -> list[dict]:
         raise ValueError("--result-filename names one file: give one --request-rate and one --max-concurrency, "
                          "or leave it out (each run's default name carries its rate and concurrency)")
     with _Server(args) as server:
-        prompts = _random_prompts(server.tokenizer, server.vocab, args)
         results = []
-        for rate, bound in runs:
+        for run, (rate, bound) in enumerate(runs):
+            # prompts of its own for each run and each warm-up: none may be in the prefix cache already (its
+            # prefill would then be a fraction of the prompt, and not what the run says it measures)
+            prompts, warmups = (_random_prompts(server.tokenizer, server.vocab, args.random_input_len, count,
+                                                args.seed + 2 * run + i)
+                                for i, count in enumerate((args.num_prompts, args.num_warmups)))
             if args.num_warmups:
-                asyncio.run(_send(server, args, prompts[:args.num_warmups], math.inf, bound))
+                asyncio.run(_send(server, args, warmups, math.inf, bound))
             before = server.engine_totals()
             started = time.perf_counter()
             outcomes = asyncio.run(_send(server, args, prompts, rate, bound))
@@ -92,8 +96,8 @@ def main(args: argparse.Namespace) -> list[dict]:
 
 
 def _check(args) -> None:
-    if not 0 <= args.num_warmups <= args.num_prompts:
-        raise ValueError(f"--num-warmups must be in [0, --num-prompts={args.num_prompts}], got {args.num_warmups}")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     for name in ("num_prompts", "random_input_len", "random_output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -219,13 +223,13 @@ def _serve_in_child(args, pipe) -> None:
         loop.stop()
 
 
-def _random_prompts(tokenizer, vocab: int, args) -> list[list[int]]:
+def _random_prompts(tokenizer, vocab: int, length: int, count: int, seed: int) -> list[list[int]]:
     """Random token ids, as vllm's random dataset, drawn from the vocabulary less its special tokens (an EOS or a
     chat marker inside a prompt is not what a user sends)."""
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
     special = set(tokenizer.all_special_ids)
     allowed = np.array([t for t in range(vocab) if t not in special])
-    return [rng.choice(allowed, args.random_input_len).tolist() for _ in range(args.num_prompts)]
+    return [rng.choice(allowed, length).tolist() for _ in range(count)]
 
 
 async def _send(server, args, prompts, rate: float, bound: int | None) -> list[dict]:
@@ -292,7 +296,7 @@ def _during(before: dict[str, float], after: dict[str, float]) -> dict:
         return int(after[name] - before[name]) if name in before and name in after else None
 
     return {"engine_steps": delta("steps"), "graph_captures": delta("cuda_graph_captures"),
-            "kernel_compiles": delta("kernel_compiles")}
+            "kernel_compiles": delta("kernel_compiles"), "cached_prompt_tokens": delta("cached_prompt_tokens")}
 
 
 def _metrics(outcomes: list[dict], duration: float, args, rate: float, bound: int | None, model: str) -> dict:

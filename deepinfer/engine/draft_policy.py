@@ -14,11 +14,14 @@ The rule (``choose``), for the step about to be drafted for, over the lengths th
 1. warm-up: a length with fewer than ``WARMUP_SAMPLES`` timed steps in this bucket runs first (longest first,
    which also measures acceptance at every position);
 2. probe: a length other than the best is re-timed when due, so that costs and acceptance that drift are seen
-   again; it is due ``n (1 - r) / PROBE_BUDGET`` decisions after it was last timed, ``r`` its expected tokens per
-   second relative to the best's and ``n`` the number of other lengths (at least ``MIN_PROBE_INTERVAL``), so
-   probes cost the bucket at most about ``PROBE_BUDGET`` of its throughput; the most overdue goes first. A probe is
-   chosen again until its length is timed (at most ``PROBE_HOLD`` decisions): the overlapped steps time a step
-   only inside a run of its length. The schedule follows the counts and the estimates only: no random draws;
+   again; it is due ``n s (1 - r) / PROBE_BUDGET`` decisions after it was last timed, ``r`` its expected tokens
+   per second relative to the best's, ``s`` the steps a probe runs (``PROBE_STEPS``) and ``n`` the number of other
+   lengths (at least ``MIN_PROBE_INTERVAL``), so probes cost the bucket at most about ``PROBE_BUDGET`` of its
+   throughput; the most overdue goes first. A probe is chosen again until its length is timed (at most
+   ``PROBE_HOLD`` decisions): the overlapped steps time a step only inside a run of its length, from its third.
+   Priced as one step each, probes of four took 13% of the H100's decisions at batch 1 and 32 (embedded model,
+   0.81x and 0.86x of decoding without drafts). The schedule follows the counts and the estimates only: no
+   random draws;
 3. otherwise the best: the length with the most expected tokens per second, ``(1 + e_0 + ... + e_{k-1}) /
    cost(k)``, drafts' discounted by ``1 + DRAFT_MARGIN``, ties to the shorter. ``k = 0`` (plain decoding: no
    drafts, no draft pass) wins wherever drafts do not pay.
@@ -43,9 +46,10 @@ logger = init_logger(__name__)
 WARMUP_SAMPLES = 2  # timed steps per (bucket, length) before the policy trusts its cost
 PROBE_BUDGET = 0.01  # the share of a bucket's throughput that re-timing the lengths other than the best may cost
 MIN_PROBE_INTERVAL = 16  # decisions between re-timings of one length at least, however close it is to the best
-# decisions a probe is held for until its length is timed: the overlapped steps book a run's periods from its third
-# step's, at the fourth launch (``engine/run_clock.py``), so a probe needs four decisions; one more for slack
-PROBE_HOLD = 5
+# the steps a probe of a length runs for: the overlapped steps book a run's periods from its third step's, at its
+# fourth launch (``engine/run_clock.py``'s STEADY_FROM + 1); its due time prices all of them
+PROBE_STEPS = 4
+PROBE_HOLD = PROBE_STEPS + 1  # decisions a probe is held for until its length is timed (one for slack)
 # drafts must promise this much more than plain decoding per second: a step's count is a mean over its requests, and
 # the ones that accept less than the mean end later, decoding in small batches that cost nearly a full step each
 # (the embedded model at batch 8 on a CPU: +16% per step predicted for 5 drafts, 0.87x realized)
@@ -144,7 +148,7 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
         others = [k for k in longest_first if k != best]
         # decisions past each other length's due time: its last timing plus its share of the probe budget
         overdue = {k: decision - policy.measured_at[bucket, k]
-                   - max(MIN_PROBE_INTERVAL, len(others) * (1 - rates[k] / rates[best]) / PROBE_BUDGET)
+                   - max(MIN_PROBE_INTERVAL, len(others) * PROBE_STEPS * (1 - rates[k] / rates[best]) / PROBE_BUDGET)
                    for k in others}
         due = [k for k in others if overdue[k] >= 0]
         if due:

@@ -16,7 +16,7 @@
 # policy (tools/profiling/policy_plain_steps.py: the measured policy's booked costs against steady periods, POLICY_BATCHES),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
 # SPEC_BATCHES, SPEC_TIMEOUT), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
-# replay: prefill off vs compact), v41route (V4.1 prefill with the FP8 projections' cuBLAS route and without, V41_PREFILL_LENS), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY; offline throughput beside it), SYNC_DEBUG=1 adds to structured and structuredprev the synchronizing calls by call site (tools/profiling/sync_sites.py); vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
+# replay: prefill off vs compact), v41route (V4.1 prefill with the FP8 projections' cuBLAS route and without, V41_PREFILL_LENS), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY, SERVE_ARGS (e.g. --no-engine-process), SERVE_TAG names its results; offline throughput beside it), SYNC_DEBUG=1 adds to structured and structuredprev the synchronizing calls by call site (tools/profiling/sync_sites.py); vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
 # saves the compiling. Results come back as results.tgz (every pytest run's whole output included: a failure's message
@@ -305,7 +305,7 @@ if has serve; then  # deepinfer bench serve on loopback (the embedded model, SER
     stamp "serve"
     timeout ${SERVE_TIMEOUT:-300} "${bench[@]}" serve --model deepinfer-tiny-v4.1 --dtype bfloat16 --num-prompts 64 --num-warmups 64 \
         --random-input-len 64 --random-output-len 64 --ignore-eos --max-concurrency ${SERVE_CONCURRENCY:-1 8 32 64} \
-        --save-result --result-dir "$out/serve" 2>&1 | grep -E "Error|error|Max concurrency|Output token throughput|Mean TTFT|Mean TPOT|Median ITL|Engine steps|CUDA graphs captured|Triton kernels built" | head -40
+        ${SERVE_ARGS:-} --save-result --result-dir "$out/serve${SERVE_TAG:-}" 2>&1 | grep -E "Error|error|Max concurrency|Output token throughput|Mean TTFT|Mean TPOT|Median ITL|Engine steps|CUDA graphs captured|Triton kernels built" | head -40
     timeout 200 "${bench[@]}" throughput --model deepinfer-tiny-v4.1 --dtype bfloat16 --input-len 64 --output-len 64 \
         --num-prompts 64 --output-json "$out/throughput_tiny_64.json" 2>&1 | grep -E "Error|error" | head -4
     python -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: v for k, v in r.items() if k != 'machine'})" "$out/throughput_tiny_64.json"
