@@ -12,7 +12,6 @@ and at once when it goes idle.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import multiprocessing
 import threading
@@ -30,12 +29,11 @@ START_TIMEOUT_S = 900  # loading a model (and compiling its kernels) before the 
 
 class EngineProcess:
     """``start`` spawns the engine's process and waits until its model is loaded; ``submit`` and ``abort`` may be
-    called from any thread. ``plugins``: (module, name) pairs the engine's process registers before loading (tests:
-    installed plugins are not loaded under test)."""
+    called from any thread. The engine's process loads the installed plugins as ``deepinfer serve`` would."""
 
-    def __init__(self, model: str | None, engine_arguments: dict, max_queued: int, plugins: tuple = ()):
+    def __init__(self, model: str | None, engine_arguments: dict, max_queued: int):
         self.max_queued = max_queued
-        self._order = (model, engine_arguments, tuple(plugins))
+        self._order = (model, engine_arguments)
         self._pipe = self._process = self._reader = None
         self._lock = threading.Lock()  # the pipe's writers, and the submissions below
         self._open: dict[int, tuple[Submission, int]] = {}  # key -> (submission, its samples not finished)
@@ -52,12 +50,11 @@ class EngineProcess:
         self._process.start()
         child.close()
         try:
-            if not self._pipe.poll(START_TIMEOUT_S):
-                raise RuntimeError(f"the engine's process did not load its model in {START_TIMEOUT_S} s")
-            kind, facts = self._pipe.recv()
+            kind, facts = self._pipe.recv() if self._pipe.poll(START_TIMEOUT_S) else (
+                "failed", f"it did not load its model in {START_TIMEOUT_S} s")
         except EOFError:
-            facts = f"it ended while loading (exit code {self._process.join(5) or self._process.exitcode})"
-            kind = "failed"
+            self._process.join(5)
+            kind, facts = "failed", f"it ended while loading (exit code {self._process.exitcode})"
         if kind == "failed":
             self._process.kill()
             self._process = None
@@ -147,12 +144,11 @@ class EngineProcess:
         return taken
 
 
-def _engine_main(pipe, model: str | None, engine_arguments: dict, plugins: tuple) -> None:
+def _engine_main(pipe, model: str | None, engine_arguments: dict) -> None:
     """The engine's process: load, report ("ready", facts) or ("failed", why), then serve orders until told to
     stop (None) or the server's process goes away."""
     from deepinfer import LLM
     from deepinfer.loading.model_source import resolve_model_dir
-    from deepinfer.plugins.manager import pm
 
     lock = threading.Lock()  # the loop's thread and this one both send
 
@@ -161,8 +157,6 @@ def _engine_main(pipe, model: str | None, engine_arguments: dict, plugins: tuple
             pipe.send(message)
 
     try:
-        for module, name in plugins:
-            pm.register(importlib.import_module(module), name)
         llm = LLM(model, **engine_arguments)
         if llm.ranks is not None:
             raise NotImplementedError("deepinfer serve runs one engine process; data/expert/context parallelism is "

@@ -21,11 +21,11 @@ def require_server_packages() -> None:
         raise ServerUnavailable(f"deepinfer serve needs {' and '.join(missing)}: pip install 'deepinfer[serve]'")
 
 
-def build(args, plugins: tuple = ()):
+def build(args):
     """The engine's loop (not started yet) and the app for ``args``; ``run_serve`` and the tests serve it. With
     ``args.engine_process`` (the default) the loop is ``EngineProcess``: ``start`` spawns the engine's process and
-    loads the model there (``plugins``: (module, name) pairs it registers first); otherwise ``EngineLoop`` on a
-    thread of this process, its engine loaded here (until ``start`` it may be prepared from this thread)."""
+    loads the model there; otherwise ``EngineLoop`` on a thread of this process, its engine loaded here (until
+    ``start`` it may be prepared from this thread)."""
     from deepinfer.loading.model_source import resolve_model_dir
 
     require_server_packages()
@@ -36,7 +36,7 @@ def build(args, plugins: tuple = ()):
     if args.engine_process:
         from deepinfer.serve.engine_process import EngineProcess
 
-        loop = EngineProcess(args.model, engine_arguments(args), args.max_queued, plugins)
+        loop = EngineProcess(args.model, engine_arguments(args), args.max_queued)
     else:
         loop = _engine_loop(args)
     name = args.served_model_name or args.model or Path(resolve_model_dir(None)).name
