@@ -359,8 +359,9 @@ class Drafter(Protocol):
     #
     # Optional, with those two: ``store_on_device(slots, positions, sampled, features) -> None``, a plain step's
     # rows into the drafter's state without a draft pass: one row per request at ``positions`` [B], ``sampled``
-    # [B] the token after each, ``features`` [B, F]. Device work queued behind the step (no host reads); with it,
-    # the plain steps the measured draft policy chooses overlap the host as decoding without drafts does.
+    # [B] the token after each, ``features`` [B, F]. Device work only, like ``propose_on_device``: it is captured in
+    # the plain step's graph (``engine/plain_store.py``) or queued behind its eager sampling; with it, the plain
+    # steps the measured draft policy chooses overlap the host as decoding without drafts does.
 
 
 class PrefillTruncation(Protocol):
