@@ -161,3 +161,20 @@ def test_when_the_engine_s_process_dies_clients_are_told(served):
         openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).completions.create(
             model=MODEL, prompt="x", max_tokens=2)
     assert refused.value.status_code == 503
+
+
+def test_a_submission_to_a_process_gone_since_alive_was_read_is_a_503():
+    import multiprocessing
+
+    from deepinfer.serve.engine_loop import Submission
+    from deepinfer.serve.errors import APIError
+
+    loop = EngineProcess(MODEL, {}, max_queued=4)
+    loop._pipe, theirs = multiprocessing.Pipe()
+    theirs.close()  # the engine's end: gone
+    loop._process = type("StillAlive", (), {"is_alive": lambda self: True})()
+    submission = Submission("x", SamplingParams(max_tokens=1), events=None, loop=None)
+    with pytest.raises(APIError) as refused:
+        loop.submit(submission)
+    assert refused.value.status == 503 and "has gone" in refused.value.message and not loop._open
+    loop.abort(submission)  # nothing open: nothing sent, no error

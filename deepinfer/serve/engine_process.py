@@ -89,21 +89,27 @@ class EngineProcess:
             if len(self._open) >= self.max_queued:
                 raise Overloaded(self.max_queued)
             submission.key = next(self._keys)
+            try:
+                self._pipe.send(("add", submission.key, submission.order()))
+            except (BrokenPipeError, OSError) as exc:  # it died since ``alive`` was read
+                raise APIError(503, f"the engine's process has gone: {exc!r}", type="server_error") from None
             self._open[submission.key] = (submission, submission.params.n)
-            self._pipe.send(("add", submission.key, submission.order()))
 
     def abort(self, submission: Submission) -> None:
         """The client went away: its samples end and free their cache blocks at the engine's next step boundary."""
         with self._lock:
             if self._open.pop(submission.key, None) is not None:
-                self._pipe.send(("abort", submission.key))
+                self._send_locked(("abort", submission.key))
 
     def _send(self, message) -> None:
         with self._lock:
-            try:
-                self._pipe.send(message)
-            except (BrokenPipeError, OSError):  # the process has gone: _read tells the clients
-                pass
+            self._send_locked(message)
+
+    def _send_locked(self, message) -> None:
+        try:
+            self._pipe.send(message)
+        except (BrokenPipeError, OSError):  # the process has gone: _read tells the clients waiting
+            pass
 
     def _read(self) -> None:
         """The engine's messages until its process ends: each step's events to their submissions."""
