@@ -38,6 +38,11 @@ def _serve(extra=()):
         with registered(structured_plugin, "structured_outputs"):
             loop.engine.structured_outputs()
     loop.start()
+    return (loop, *_listen(app))
+
+
+def _listen(app):
+    """``app`` served by uvicorn on a thread, on a free loopback port: (server, thread, url) once it accepts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -48,7 +53,7 @@ def _serve(extra=()):
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    return loop, server, thread, f"http://127.0.0.1:{port}"
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 def _stop(uv, thread, loop=None):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
-import threading
 import time
 
 import pytest
@@ -19,6 +17,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.cli import serve as cli  # noqa: E402
 from deepinfer.serve.engine_process import EngineProcess  # noqa: E402
+from test_serve import _listen, _stop  # noqa: E402
 
 MODEL = "deepinfer-tiny-v4.1"
 PROMPTS = ["import os", "def fibonacci(n):", "class Stack:", "for i in range("]
@@ -36,19 +35,9 @@ def served():
     loop, app = _build("--max-queued", str(BOUND))
     assert isinstance(loop, EngineProcess)  # the default
     loop.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield loop, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join()
-    loop.stop()
+    server, thread, url = _listen(app)
+    yield loop, url
+    _stop(server, thread, loop)
 
 
 @pytest.fixture(scope="module")

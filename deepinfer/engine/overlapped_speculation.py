@@ -40,7 +40,7 @@ from deepinfer.runner.cuda_graphs import StepTail
 from deepinfer.engine.output_processor import host_lists
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.scheduled import ScheduledBatch
-from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling_batch
+from deepinfer.runner.sampling_batch import SamplingFlags, padded_sampling_rows, sampling_batch
 from deepinfer.engine import draft_policy
 from deepinfer.engine.speculation import (accepted_counts, draft_room, drafts_in_accepted_rows, synthetic_key,
                                           verified_lengths)
@@ -280,23 +280,19 @@ class OverlappedSpeculation:
         step's come from the device), the drafter's slots, where each request must end, and (synthetic acceptance)
         each request's key for its draws."""
         s = self.speculator
-        params = [r.params for r in requests]
         pad = self.runner.graphs.padded_requests(len(requests)) - len(requests)
 
-        def padded(values: list, fill) -> list:  # the graph's padding requests: greedy, unseeded, nothing to verify
+        def padded(values: list, fill) -> list:  # the graph's padding requests: nothing to verify
             return values + [fill] * pad
 
         floor = s.floor(len(requests))
         floor = 0.0 if floor is None else floor
-        floats = [padded([p.temperature for p in params], 0.0), padded([p.top_p for p in params], 1.0),
-                  padded([p.min_p for p in params], 0.0), padded([floor] * len(requests), floor)]
-        ends = [s.end(r) for r in requests]
-        ints = [padded([max(p.top_k, 0) for p in params], 0), padded([sample_seed(r) for r in requests], -1),
-                padded([len(r.prompt_token_ids) for r in requests], 0),
-                padded([r.num_drafts if first else 0 for r in requests], 0),
-                padded(s.drafter.device_slots(requests), -1), padded(ends, 0),
-                padded([synthetic_key(r) for r in requests] if s.synthetic_rate is not None else [0] * len(requests),
-                       0)]
+        floats, ints = padded_sampling_rows(requests, pad)
+        floats.append(padded([floor] * len(requests), floor))
+        ints += [padded([r.num_drafts if first else 0 for r in requests], 0),
+                 padded(s.drafter.device_slots(requests), -1), padded([s.end(r) for r in requests], 0),
+                 padded([synthetic_key(r) for r in requests] if s.synthetic_rate is not None else [0] * len(requests),
+                        0)]
         return {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
                 "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}
 

@@ -15,7 +15,7 @@ import torch
 
 from deepinfer.runner.cuda_graphs import StepTail
 from deepinfer.runner.model_runner import ModelRunner
-from deepinfer.runner.sampling_batch import SamplingFlags, sample_seed, sampling_batch
+from deepinfer.runner.sampling_batch import SamplingFlags, padded_sampling_rows, sampling_batch
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.scheduled import ScheduledBatch
 from deepinfer.runtime.transfer import to_device
@@ -42,14 +42,10 @@ class PlainStepStore:
         requests = scheduled.requests
         if not all(device_ready(r) for r in requests):
             return None
-        params = [r.params for r in requests]
-        pad = [0] * (self.runner.graphs.padded_requests(len(requests)) - len(requests))
-        # the graph's padding requests: greedy, unseeded, stored nowhere a request reads
-        floats = [[p.temperature for p in params] + pad, [p.top_p for p in params] + [1] * len(pad),
-                  [p.min_p for p in params] + pad]
-        ints = [[max(p.top_k, 0) for p in params] + pad, [sample_seed(r) for r in requests] + [-1] * len(pad),
-                [len(r.prompt_token_ids) for r in requests] + pad, self.slots(requests) + [-1] * len(pad)]
-        flags = SamplingFlags.of(params, self.runner.vocab_size)
+        pad = self.runner.graphs.padded_requests(len(requests)) - len(requests)
+        floats, ints = padded_sampling_rows(requests, pad)
+        ints.append(self.slots(requests) + [-1] * pad)  # the padding requests' rows are stored nowhere read
+        flags = SamplingFlags.of([r.params for r in requests], self.runner.vocab_size)
         return StepTail(lambda logits, features, inputs: self._run(logits, features, inputs, flags),
                         {"floats": torch.from_numpy(np.array(floats, dtype=np.float32)),
                          "ints": torch.from_numpy(np.array(ints, dtype=np.int64))}, ("plain", flags), one_row=True)

@@ -97,3 +97,15 @@ def sampling_batch(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.
                          blocked_token_ids=list(blocked_token_ids), logit_bias=list(logit_bias),
                          any_penalties=any_penalties,
                          **asdict(flags))
+
+
+def padded_sampling_rows(requests: list, pad: int) -> tuple[list[list[float]], list[list[int]]]:
+    """What a graph's tail reads to sample, per request and for ``pad`` padding requests (greedy, unseeded): the
+    rows [temperature, top_p, min_p] and [top_k, seed, prompt length] (a row at position p samples output
+    position p + 1 - the prompt's length). Tails add rows of their own after these."""
+    params = [r.params for r in requests]
+    floats = [[p.temperature for p in params] + [0.0] * pad, [p.top_p for p in params] + [1.0] * pad,
+              [p.min_p for p in params] + [0.0] * pad]
+    ints = [[max(p.top_k, 0) for p in params] + [0] * pad, [sample_seed(r) for r in requests] + [-1] * pad,
+            [len(r.prompt_token_ids) for r in requests] + [0] * pad]
+    return floats, ints
