@@ -20,6 +20,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
 
 
+def add_warm_up_argument(parser) -> None:
+    """The server's warm-up flag (``deepinfer serve``, and the server ``deepinfer bench serve`` starts)."""
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                        help="before serving, run the prompt lengths and decode batch sizes the server will meet once, "
+                             "so that no request waits for a kernel build or a CUDA-graph capture (default: on a GPU; "
+                             "a CPU builds and captures nothing)")
+
+
 def engine_arguments(args) -> dict:
     """The engine keyword arguments of ``LLM`` that ``add_engine_arguments`` declared."""
     return dict(dtype=args.dtype, device=args.device, quantization=args.quantization,

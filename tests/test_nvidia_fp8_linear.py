@@ -296,3 +296,24 @@ def test_deep_gemm_matches_the_triton_gemm(tokens):
     ours = TritonLinear().linear(x, weight, scale, 128)
     magnitude = round_fp8(x.float(), 128).abs() @ dequantize(weight, scale, torch.float32).abs().T
     assert torch.all((theirs.float() - ours.float()).abs() <= magnitude * 2**-8 + ours.float().abs() * 2**-7)
+
+
+@pytest.mark.skipif(not CUDA, reason="kernel builds are counted on a GPU (the interpreter builds nothing)")
+def test_row_counts_of_one_tile_size_share_one_build():
+    """A served step's token count is whatever its requests add up to: counts with the same tiles (few rows: 17-32,
+    the autotuned GEMM: 65-191, odd or multiples of 16 alike) must reuse the binaries the first one built, or a
+    request waits through a build (deepinfer serve's warm-up cannot meet every count)."""
+    from deepinfer.runtime import kernel_compiles
+
+    kernel_compiles.start_counting()
+    g = torch.Generator().manual_seed(0)
+    weight, scale = quantize_fp8(torch.randn(256, 512, generator=g) * 512**-0.5, 32, 32)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    linear = TritonLinear()
+    for counts in ((17, 32, 23, 31), (80, 95, 128, 150)):
+        linear.linear(_inputs(counts[0], 512, seed=1, dtype=torch.bfloat16), weight, scale, 32)
+        built = kernel_compiles.count()
+        for tokens in counts[1:]:
+            ours = linear.linear(_inputs(tokens, 512, seed=tokens, dtype=torch.bfloat16), weight, scale, 32)
+            assert ours.shape == (tokens, 256)
+        assert kernel_compiles.count() == built, counts

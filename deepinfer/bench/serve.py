@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deepinfer.engine_flags import add_engine_arguments
+from deepinfer.engine_flags import add_engine_arguments, add_warm_up_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--result-dir", default=".")
     bench.add_argument("--result-filename", help="the JSON's file name (one run only)")
     bench.add_argument("--max-queued", type=int, default=4096, help="the in-process server's --max-queued")
+    add_warm_up_argument(bench)
     bench.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="the in-process server's engine in a process of its own, as deepinfer serve runs it")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from deepinfer.engine_flags import add_engine_arguments
+from deepinfer.engine_flags import add_engine_arguments, add_warm_up_argument
 from deepinfer.serve.launch import ServerUnavailable, build  # noqa: F401 (the CLI's and the tests' names)
 
 
@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the engine in a process of its own, so that the HTTP event loop and the engine's "
                              "steps do not share one interpreter lock (--no-engine-process: on a thread of the "
                              "server's process)")
+    add_warm_up_argument(server)
     server.add_argument("--served-model-name", help="the model name clients ask for (default: --model, or the "
                                                     "checkpoint's directory name)")
     parser.set_defaults(run=run_serve)

@@ -200,6 +200,15 @@ class LLMEngine:
             self._structured = found[0]
         return self._structured
 
+    def reset_counters(self) -> None:
+        """Zeroes what ``counters`` and ``step_metrics`` have counted of requests and steps (after a warm-up: its
+        made-up requests are nobody's); the process's graph captures and kernel builds stay."""
+        self.totals.reset()
+        self.step_metrics.reset()
+        self.scheduler.num_preemptions = 0
+        if self.speculator is not None:
+            self.speculator.stats.reset()
+
     def counters(self) -> dict:
         """Totals since the engine started, and the caches' state now: vLLM-style engine counters."""
         counters = {**self.totals.as_dict(), "preemptions": self.scheduler.num_preemptions,

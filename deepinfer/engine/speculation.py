@@ -197,6 +197,10 @@ class SpeculationStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
+    def reset(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = []
+
     def record(self, request: Request, drafted: int, accepted: int) -> None:
         for stats in (self, request.metrics):
             stats.num_drafts += 1

@@ -54,6 +54,10 @@ class EngineTotals:
     finished_requests: int = 0
     aborted_requests: int = 0  # ended by LLMEngine.abort (a client gone), not counted as finished
 
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -31,9 +31,10 @@ class EngineProcess:
     """``start`` spawns the engine's process and waits until its model is loaded; ``submit`` and ``abort`` may be
     called from any thread. The engine's process loads the installed plugins as ``deepinfer serve`` would."""
 
-    def __init__(self, model: str | None, engine_arguments: dict, max_queued: int):
+    def __init__(self, model: str | None, engine_arguments: dict, max_queued: int, warm_up: bool | None = None):
+        """``warm_up``: ``warm_up_server``'s (None: on a GPU)."""
         self.max_queued = max_queued
-        self._order = (model, engine_arguments)
+        self._order = (model, engine_arguments, warm_up)
         self._pipe = self._process = self._reader = None
         self._lock = threading.Lock()  # the pipe's writers, and the submissions below
         self._open: dict[int, tuple[Submission, int]] = {}  # key -> (submission, its samples not finished)
@@ -150,10 +151,11 @@ class EngineProcess:
         return taken
 
 
-def _engine_main(pipe, model: str | None, engine_arguments: dict) -> None:
+def _engine_main(pipe, model: str | None, engine_arguments: dict, warm_up: bool | None) -> None:
     """The engine's process: load, report ("ready", facts) or ("failed", why), then serve orders until told to
     stop (None) or the server's process goes away."""
     from deepinfer import LLM
+    from deepinfer.engine.warm_up import warm_up_server
     from deepinfer.loading.model_source import resolve_model_dir
 
     lock = threading.Lock()  # the loop's thread and this one both send
@@ -167,6 +169,7 @@ def _engine_main(pipe, model: str | None, engine_arguments: dict) -> None:
         if llm.ranks is not None:
             raise NotImplementedError("deepinfer serve runs one engine process; data/expert/context parallelism is "
                                       "not supported by the server yet")
+        warm_up_server(llm, warm_up)
         loop, config = _PublishingLoop(llm, send), llm.engine.config
     except BaseException as exc:  # its traceback goes to this process's log
         logger.exception("the engine's process could not start")

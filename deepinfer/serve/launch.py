@@ -36,7 +36,7 @@ def build(args):
     if args.engine_process:
         from deepinfer.serve.engine_process import EngineProcess
 
-        loop = EngineProcess(args.model, engine_arguments(args), args.max_queued)
+        loop = EngineProcess(args.model, engine_arguments(args), args.max_queued, args.warm_up)
     else:
         loop = _engine_loop(args)
     name = args.served_model_name or args.model or Path(resolve_model_dir(None)).name
@@ -45,10 +45,12 @@ def build(args):
 
 def _engine_loop(args):
     from deepinfer import LLM
+    from deepinfer.engine.warm_up import warm_up_server
     from deepinfer.serve.engine_loop import EngineLoop
 
     llm = LLM(args.model, **engine_arguments(args))
     if llm.ranks is not None:
         raise NotImplementedError("deepinfer serve runs one process; data/expert/context parallelism is not "
                                   "supported by the server yet")
+    warm_up_server(llm, args.warm_up)
     return EngineLoop(llm, args.max_queued)

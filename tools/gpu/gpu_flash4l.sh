@@ -305,7 +305,7 @@ if has serve; then  # deepinfer bench serve on loopback (the embedded model, SER
     stamp "serve"
     timeout ${SERVE_TIMEOUT:-300} "${bench[@]}" serve --model deepinfer-tiny-v4.1 --dtype bfloat16 --num-prompts 64 --num-warmups 64 \
         --random-input-len 64 --random-output-len 64 --ignore-eos --max-concurrency ${SERVE_CONCURRENCY:-1 8 32 64} \
-        ${SERVE_ARGS:-} --save-result --result-dir "$out/serve${SERVE_TAG:-}" 2>&1 | grep -E "Error|error|Max concurrency|Output token throughput|Mean TTFT|Mean TPOT|Median ITL|Engine steps|CUDA graphs captured|Triton kernels built" | head -40
+        ${SERVE_ARGS:-} --save-result --result-dir "$out/serve${SERVE_TAG:-}" 2>&1 | grep -E "Error|error|Max concurrency|Output token throughput|Mean TTFT|Mean TPOT|Median ITL|Engine steps|CUDA graphs captured|Triton kernels built|warm-up:" | head -40
     timeout 200 "${bench[@]}" throughput --model deepinfer-tiny-v4.1 --dtype bfloat16 --input-len 64 --output-len 64 \
         --num-prompts 64 --output-json "$out/throughput_tiny_64.json" 2>&1 | grep -E "Error|error" | head -4
     python -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: v for k, v in r.items() if k != 'machine'})" "$out/throughput_tiny_64.json"

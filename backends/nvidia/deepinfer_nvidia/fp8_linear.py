@@ -41,7 +41,7 @@ def _prune(configs, named_args, **kwargs):
     return fitting or configs[:1]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # counts of a step's rows: one binary for any
 def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, stride_q, stride_w, stride_sw, stride_y,
                      NUM_BLOCKS: tl.constexpr, W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr):
@@ -90,7 +90,7 @@ def _few_rows_block(q_ptr, sx_ptr, w_ptr, sw_ptr, block, offs_m, offs_n, m_ok, n
     return part * sw[:, None] * sx[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # counts of a step's rows: one binary for any
 def _fp8_gemm_few_rows_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_q,
                               stride_w, stride_sw, stride_y, NUM_BLOCKS: tl.constexpr,
                               BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, W_ROW_TILE: tl.constexpr,

@@ -47,7 +47,7 @@ def _e4m3_values(x, scale, NATIVE_FP8: tl.constexpr):
     return q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # counts of a step's rows: one binary for any
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_blocks, BLOCK: tl.constexpr,
                       ROWS: tl.constexpr, SEGMENTS: tl.constexpr, NATIVE_FP8: tl.constexpr,
                       ROUND_TRIP: tl.constexpr = False, PAIRS_APART: tl.constexpr = False):

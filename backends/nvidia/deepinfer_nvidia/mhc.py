@@ -71,7 +71,7 @@ def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, weight_ptr, out
                   NORM, ONE_PASS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # counts of a step's rows: one binary for any
 def _sublayer_input_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_ptr, stride_st, stride_sn, weight_ptr,
                            out_ptr, stride_out, pre_ptr, previous_pre_ptr, post_ptr, comb_ptr, T, splits, K, D,
                            norm_eps, hc_eps, eps, N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr,

@@ -72,7 +72,7 @@ def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl
     _store_coefficients(pre, post, comb, rows, ok, pre_ptr, post_ptr, comb_ptr, eps, N, ITERS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # counts of a step's rows: one binary for any
 def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, K, M: tl.constexpr,
                          M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCKS_PER_SPLIT: tl.constexpr):
@@ -102,7 +102,7 @@ def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, 
             tl.store(squares_ptr + at, tl.sum(squares, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # counts of a step's rows: one binary for any
 def _mix_tiles_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, K, M: tl.constexpr,
                       M_PAD: tl.constexpr, TILE_T: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCKS_PER_SPLIT: tl.constexpr):

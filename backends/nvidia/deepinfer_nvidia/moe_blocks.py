@@ -34,7 +34,7 @@ def _pick(select, values):
     return tl.sum(tl.where(select, values[None, :], 0), axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["assignments", "num_blocks"])  # counts of a step's rows: one binary for any
 def _blocks_kernel(ids_ptr, assignments, experts, num_blocks, order_ptr, token_of_ptr, sorted_rows_ptr, expert_ptr,
                    start_ptr, rows_ptr, TOP_K: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr,
                    CHUNK: tl.constexpr):

@@ -36,7 +36,7 @@ from deepinfer_nvidia.kv_store import SCALE_BYTES as FP8_SCALE_BYTES
 from deepinfer_nvidia.kv_store import TILE as FP8_TILE
 
 LOG2E = math.log2(math.e)
-MAX_CANDIDATE_TILES = 8  # indexer tiles per program (a constexpr: at most 8 variants) amortize its q load
+MAX_CANDIDATE_TILES = 8  # indexer tiles per program (a power of two: at most 4 builds) amortize its q load
 
 
 @triton.jit
@@ -324,8 +324,11 @@ def indexer_scores(q, weights, keys, candidates):
         return out
     block_c = 64
     candidate_tiles = triton.cdiv(width, block_c)
-    # as many tiles per program as still leaves about two programs per SM
-    tiles = max(1, min(MAX_CANDIDATE_TILES, num_tokens * candidate_tiles // (2 * _parallelism(q.device))))
+    # as many tiles per program as still leaves about two programs per SM, no more than there are, and a power of two:
+    # TILES is a constant of the binary, so each value a step's size picks is a build (1, 2, 4, 8: four at most)
+    tiles = max(1, min(MAX_CANDIDATE_TILES, triton.next_power_of_2(candidate_tiles),
+                       num_tokens * candidate_tiles // (2 * _parallelism(q.device))))
+    tiles = 1 << (tiles.bit_length() - 1)
     grid = (num_tokens, triton.cdiv(candidate_tiles, tiles))
     _indexer_kernel[grid](q, q.stride(0), q.stride(1), weights, weights.stride(0), keys, keys.stride(0), candidates,
                           candidates.stride(0), candidates.stride(1), out, out.stride(0), num_heads, width, D=dim,

@@ -1,0 +1,82 @@
+"""A server's warm-up before its first request: the shapes it will meet, run once on made-up prompts.
+
+A Triton kernel is built the first time it runs at a new specialisation (its block sizes, chosen from a step's
+token count), and a decode step's CUDA graph is captured the first time its batch size comes up; each takes
+0.1-1 s, which a served request would otherwise wait through (2026-12-05, H100: 25 builds and a capture inside
+a timed `bench serve` run after a client-side warm-up, TTFT 2.5 s). So the server runs, before it says it is
+ready: one prompt of each length in ``PREFILL_TOKENS`` (every few-rows GEMM tile and MoE block table bucket, the
+autotuned FP8 GEMM's range, the cuBLAS route, the tiled mHC, the torch block table), then a batch of ``DECODE_STEPS``
+decode steps at every CUDA-graph batch size up to ``max_num_seqs`` (with speculative decoding, the measured
+policy books its costs at each). The prompts are random token ids, distinct so no prefix-cache hit shortens
+them; the counters a client reads (tokens, requests, step times, drafts) are reset afterwards, the process's
+builds and captures are not (they are what the warm-up is for).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deepinfer.logger import init_logger
+from deepinfer.runner import cuda_graphs
+from deepinfer.runtime import kernel_compiles
+from deepinfer.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+# one prompt each: token counts on both sides of every count-chosen kernel variant (few-rows GEMM tiles 8/16/32/64,
+# the autotuned GEMM at 65-191 rows, the cuBLAS route from 192, the tiled mHC from 256, the torch block table past 512)
+PREFILL_TOKENS = (5, 12, 24, 48, 64, 100, 150, 300, 600)
+DECODE_PROMPT_TOKENS = 5
+DECODE_STEPS = 16  # enough for the measured draft policy's warm-up (two booked runs of a length, from their third step)
+
+
+def warm_up(llm) -> dict:
+    """Runs ``llm``'s warm-up sweep (see the module's text); returns what it did: the prompt lengths, the decode
+    batch sizes, seconds, Triton kernels built and CUDA graphs captured."""
+    engine = llm.engine
+    started, built, captured = time.perf_counter(), kernel_compiles.count(), cuda_graphs.captures
+    ids = _RandomPrompts(engine)
+    lengths = [n for n in PREFILL_TOKENS if n + 2 <= engine.max_model_len]
+    for n in lengths:
+        llm.generate([ids.prompt(n)], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    sizes = decode_batch_sizes(engine.config.max_num_seqs)
+    steps = min(DECODE_STEPS, engine.max_model_len - DECODE_PROMPT_TOKENS - 1)
+    for size in sizes:
+        llm.generate([ids.prompt(DECODE_PROMPT_TOKENS) for _ in range(size)],
+                     SamplingParams(max_tokens=steps, ignore_eos=True), use_tqdm=False)
+    engine.reset_counters()
+    done = {"prefill_tokens": lengths, "decode_batch_sizes": sizes, "seconds": round(time.perf_counter() - started, 2),
+            "kernels_built": kernel_compiles.count() - built, "graphs_captured": cuda_graphs.captures - captured}
+    logger.info("warm-up: prompts of %s tokens, decode batches of %s, in %.1f s (%d Triton kernels built, %d CUDA "
+                "graphs captured)", lengths, sizes, done["seconds"], done["kernels_built"], done["graphs_captured"])
+    return done
+
+
+def warm_up_server(llm, wanted: bool | None) -> None:
+    """A server's warm-up: ``wanted`` (--warm-up), or where it is None, on a GPU (a CPU builds and captures nothing:
+    there the warm-up would only delay the server's start)."""
+    if wanted if wanted is not None else llm.engine.device.type == "cuda":
+        warm_up(llm)
+
+
+def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The CUDA graphs' batch sizes a server of ``max_num_seqs`` requests meets, and ``max_num_seqs`` itself."""
+    return sorted({s for s in cuda_graphs.BATCH_SIZES if s < max_num_seqs} | {max_num_seqs})
+
+
+class _RandomPrompts:
+    """Random token ids of the vocabulary, no special or image token among them, no two prompts alike."""
+
+    def __init__(self, engine):
+        self.vocab = engine.model_config.vocab_size
+        self.excluded = torch.tensor(sorted({*engine.tokenizer.all_special_ids,
+                                             getattr(engine.model_config, "image_token_id", None) or 0}))
+        self.generator = torch.Generator().manual_seed(0)
+
+    def prompt(self, length: int) -> dict:
+        ids = torch.randint(0, self.vocab, (length,), generator=self.generator)
+        while (clash := torch.isin(ids, self.excluded)).any():
+            ids[clash] = torch.randint(0, self.vocab, (int(clash.sum()),), generator=self.generator)
+        return {"prompt_token_ids": ids.tolist()}
