@@ -66,16 +66,17 @@ def test_warm_up_runs_its_sweep_and_leaves_no_trace(monkeypatch):
             == [o.outputs[0].token_ids for o in fresh.generate(PROMPTS, params, use_tqdm=False)])
 
 
-def test_warm_up_runs_where_asked_and_by_default_on_a_gpu_only(monkeypatch):
+def test_warm_up_runs_where_asked_and_by_default_on_a_gpu_without_drafts(monkeypatch):
     ran = []
     monkeypatch.setattr(warm_up_module, "warm_up", ran.append)
-    for device, wanted, runs in (("cpu", None, False), ("cuda", None, True), ("cpu", True, True),
-                                 ("cuda", False, False)):
+    for device, drafts, wanted, runs in (("cpu", None, None, False), ("cuda", None, None, True),
+                                         ("cpu", None, True, True), ("cuda", None, False, False),
+                                         ("cuda", "drafter", None, False), ("cuda", "drafter", True, True)):
         llm = type("LLM", (), {})()
-        llm.engine = type("Engine", (), {"device": torch.device(device)})()
+        llm.engine = type("Engine", (), {"device": torch.device(device), "speculator": drafts})()
         ran.clear()
         warm_up_server(llm, wanted)
-        assert bool(ran) == runs, (device, wanted)
+        assert bool(ran) == runs, (device, drafts, wanted)
 
 
 def test_both_servers_take_the_flag(monkeypatch):
