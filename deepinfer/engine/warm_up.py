@@ -59,11 +59,12 @@ def warm_up_server(llm, wanted: bool | None) -> None:
     there the warm-up would only delay the server's start) without speculative decoding: on an H100 (2026-12-06)
     the warm-up failed in a speculative benchmark's engines at batch 1 (a tensor size mismatch, not yet traced;
     the same runs pass on a CPU), so it runs there only when asked."""
-    engine = llm.engine
-    if wanted is None and engine.device.type == "cuda" and engine.speculator is not None:
-        logger.info("warm-up off: with speculative decoding it is not yet verified on a GPU (--warm-up runs it)")
-        return
-    if wanted if wanted is not None else engine.device.type == "cuda":
+    on_gpu, drafts = llm.engine.device.type == "cuda", llm.engine.speculator is not None
+    if wanted is None:
+        wanted = on_gpu and not drafts
+        if on_gpu and drafts:
+            logger.info("warm-up off: with speculative decoding it is not yet verified on a GPU (--warm-up runs it)")
+    if wanted:
         warm_up(llm)
 
 
@@ -77,8 +78,10 @@ class _RandomPrompts:
 
     def __init__(self, engine):
         self.vocab = engine.model_config.vocab_size
-        self.excluded = torch.tensor(sorted({*engine.tokenizer.all_special_ids,
-                                             getattr(engine.model_config, "image_token_id", None) or 0}))
+        excluded = set(engine.tokenizer.all_special_ids)
+        if getattr(engine.model_config, "image_token_id", None) is not None:
+            excluded.add(engine.model_config.image_token_id)
+        self.excluded = torch.tensor(sorted(excluded), dtype=torch.long)
         self.generator = torch.Generator().manual_seed(0)
 
     def prompt(self, length: int) -> dict:

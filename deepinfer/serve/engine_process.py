@@ -32,7 +32,7 @@ class EngineProcess:
     called from any thread. The engine's process loads the installed plugins as ``deepinfer serve`` would."""
 
     def __init__(self, model: str | None, engine_arguments: dict, max_queued: int, warm_up: bool | None = None):
-        """``warm_up``: ``warm_up_server``'s (None: on a GPU)."""
+        """``warm_up``: ``warm_up_server``'s (None: its default)."""
         self.max_queued = max_queued
         self._order = (model, engine_arguments, warm_up)
         self._pipe = self._process = self._reader = None
@@ -154,9 +154,8 @@ class EngineProcess:
 def _engine_main(pipe, model: str | None, engine_arguments: dict, warm_up: bool | None) -> None:
     """The engine's process: load, report ("ready", facts) or ("failed", why), then serve orders until told to
     stop (None) or the server's process goes away."""
-    from deepinfer import LLM
-    from deepinfer.engine.warm_up import warm_up_server
     from deepinfer.loading.model_source import resolve_model_dir
+    from deepinfer.serve.launch import serving_llm
 
     lock = threading.Lock()  # the loop's thread and this one both send
 
@@ -165,11 +164,7 @@ def _engine_main(pipe, model: str | None, engine_arguments: dict, warm_up: bool 
             pipe.send(message)
 
     try:
-        llm = LLM(model, **engine_arguments)
-        if llm.ranks is not None:
-            raise NotImplementedError("deepinfer serve runs one engine process; data/expert/context parallelism is "
-                                      "not supported by the server yet")
-        warm_up_server(llm, warm_up)
+        llm = serving_llm(model, engine_arguments, warm_up)
         loop, config = _PublishingLoop(llm, send), llm.engine.config
     except BaseException as exc:  # its traceback goes to this process's log
         logger.exception("the engine's process could not start")
