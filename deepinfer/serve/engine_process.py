@@ -155,7 +155,6 @@ def _engine_main(pipe, model: str | None, engine_arguments: dict, warm_up: bool 
     """The engine's process: load, report ("ready", facts) or ("failed", why), then serve orders until told to
     stop (None) or the server's process goes away."""
     from deepinfer.loading.model_source import resolve_model_dir
-    from deepinfer.serve.launch import serving_llm
 
     lock = threading.Lock()  # the loop's thread and this one both send
 
@@ -213,3 +212,15 @@ class _PublishingLoop(EngineLoop):
         if self.error is not None:
             self._publish(("stopped", f"the engine failed: {self.error!r}"))
 
+
+def serving_llm(model: str | None, engine_args: dict, warm_up: bool | None):
+    """The server's engine, in whichever process runs it: loaded, one rank only, warmed up (``warm_up_server``)."""
+    from deepinfer import LLM
+    from deepinfer.engine.warm_up import warm_up_server
+
+    llm = LLM(model, **engine_args)
+    if llm.ranks is not None:
+        raise NotImplementedError("deepinfer serve runs one engine; data/expert/context parallelism is not "
+                                  "supported by the server yet")
+    warm_up_server(llm, warm_up)
+    return llm

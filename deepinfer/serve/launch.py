@@ -45,18 +45,7 @@ def build(args):
 
 def _engine_loop(args):
     from deepinfer.serve.engine_loop import EngineLoop
+    from deepinfer.serve.engine_process import serving_llm
 
     return EngineLoop(serving_llm(args.model, engine_arguments(args), args.warm_up), args.max_queued)
 
-
-def serving_llm(model: str | None, engine_args: dict, warm_up: bool | None):
-    """The server's engine, in whichever process runs it: loaded, one rank only, warmed up (``warm_up_server``)."""
-    from deepinfer import LLM
-    from deepinfer.engine.warm_up import warm_up_server
-
-    llm = LLM(model, **engine_args)
-    if llm.ranks is not None:
-        raise NotImplementedError("deepinfer serve runs one engine; data/expert/context parallelism is not "
-                                  "supported by the server yet")
-    warm_up_server(llm, warm_up)
-    return llm
