@@ -148,6 +148,20 @@ def test_admissions_and_preemption_fall_back_to_synchronous_steps(tiny_v4_checkp
     assert engine.overlap.inflight is None and not engine.scheduler.has_work()
 
 
+def test_prompts_no_longer_than_a_verification_step_are_prefilled_not_verified(tiny_v4_checkpoint):
+    """A prompt of up to 1 + max_drafts tokens fits a verification step's rows, but its prefill samples its last
+    row only: replayed as a verification step, its first token came from its first row's logits (2026-12-06: a
+    wrong first token at batch 1, a size mismatch in the sampler at batch 2)."""
+    prompts = [{"prompt_token_ids": [100, 200, 300]}, {"prompt_token_ids": [7, 8, 9, 10, 11, 12]},
+               {"prompt_token_ids": [42]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected, _ = generate_with(tiny_v4_checkpoint, prompts, params)
+    for batch in ([0], [1, 2], [0, 1, 2]):
+        chosen = [prompts[i] for i in batch]
+        outputs, _, _ = _overlapped(tiny_v4_checkpoint, chosen, params, DeviceOracleDrafter(continuations(expected)))
+        assert_same(outputs, [expected[i] for i in batch])
+
+
 def test_acceptance_and_lengths_on_the_device_match_the_host():
     g = torch.Generator().manual_seed(0)
     drafts = torch.randint(0, 3, (64, 5), generator=g)

@@ -20,8 +20,10 @@ def _embedded(**engine_args):
     from deepinfer import LLM
     from deepinfer.plugins.manager import registered
 
+    # on a CPU, steps padded as CUDA graphs replay them: with drafts, the overlapped verification a GPU runs
+    graphs = {} if torch.cuda.is_available() else {"cuda_graphs": "padded-eager"}
     with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
-        return LLM(MODEL, dtype="float32", quantization="none", max_num_seqs=3, **engine_args)
+        return LLM(MODEL, dtype="float32", quantization="none", max_num_seqs=3, **graphs, **engine_args)
 
 
 def test_decode_batch_sizes_are_the_graph_sizes_up_to_max_num_seqs():
@@ -49,13 +51,24 @@ def test_warm_up_runs_its_sweep_and_leaves_no_trace(monkeypatch):
     monkeypatch.setattr(warm_up_module, "PREFILL_TOKENS", (5, 70, 300))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     llm = _embedded(enable_mtp_varlen=True)
+    assert llm.engine.overlap is not None
     batches = []
     real_generate = llm.generate
+    speculator = llm.engine.speculator
+    choices = speculator.policy_choices
+    assert choices == (0, speculator.max_drafts)  # padded steps: plain or every draft
     monkeypatch.setattr(llm, "generate", lambda prompts, p, use_tqdm: batches.append(
-        [len(x["prompt_token_ids"]) for x in prompts]) or real_generate(prompts, p, use_tqdm=use_tqdm))
+        ([len(x["prompt_token_ids"]) for x in prompts], speculator.policy_choices))
+        or real_generate(prompts, p, use_tqdm=use_tqdm))
     done = warm_up(llm)
     assert done["prefill_tokens"] == [5, 70, 300] and done["decode_batch_sizes"] == [1, 2, 3]
-    assert batches == [[5], [70], [300], [5], [5, 5], [5, 5, 5]]
+    # the decode sweep once for each length the measured policy chooses from, the policy held to it
+    decode = [[5], [5, 5], [5, 5, 5]]
+    assert batches == ([([5], choices), ([70], choices), ([300], choices)]
+                       + [(b, (0,)) for b in decode] + [(b, (speculator.max_drafts,)) for b in decode])
+    assert speculator.policy_choices == choices
+    booked = {k for (_, k) in speculator.policy.costs}
+    assert booked == set(choices)
     counters = llm.engine.counters()
     assert counters["steps"] == counters["prompt_tokens"] == counters["finished_requests"] == 0
     assert counters["num_drafts"] == 0 and counters["running"] == counters["waiting"] == 0
@@ -66,12 +79,12 @@ def test_warm_up_runs_its_sweep_and_leaves_no_trace(monkeypatch):
             == [o.outputs[0].token_ids for o in fresh.generate(PROMPTS, params, use_tqdm=False)])
 
 
-def test_warm_up_runs_where_asked_and_by_default_on_a_gpu_without_drafts(monkeypatch):
+def test_warm_up_runs_where_asked_and_by_default_on_a_gpu(monkeypatch):
     ran = []
     monkeypatch.setattr(warm_up_module, "warm_up", ran.append)
     for device, drafts, wanted, runs in (("cpu", None, None, False), ("cuda", None, None, True),
                                          ("cpu", None, True, True), ("cuda", None, False, False),
-                                         ("cuda", "drafter", None, False), ("cuda", "drafter", True, True)):
+                                         ("cuda", "drafter", None, True), ("cuda", "drafter", False, False)):
         llm = type("LLM", (), {})()
         llm.engine = type("Engine", (), {"device": torch.device(device), "speculator": drafts})()
         ran.clear()

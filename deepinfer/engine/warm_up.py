@@ -6,10 +6,10 @@ token count), and a decode step's CUDA graph is captured the first time its batc
 a timed `bench serve` run after a client-side warm-up, TTFT 2.5 s). So the server runs, before it says it is
 ready: one prompt of each length in ``PREFILL_TOKENS`` (every few-rows GEMM tile and MoE block table bucket, the
 autotuned FP8 GEMM's range, the cuBLAS route, the tiled mHC, the torch block table), then a batch of ``DECODE_STEPS``
-decode steps at every CUDA-graph batch size up to ``max_num_seqs`` (with speculative decoding, the measured
-policy books its costs at each). The prompts are random token ids, distinct so no prefix-cache hit shortens
-them; the counters a client reads (tokens, requests, step times, drafts) are reset afterwards, the process's
-builds and captures are not (they are what the warm-up is for).
+decode steps at every CUDA-graph batch size up to ``max_num_seqs`` (with the measured draft policy, once for each
+draft length it chooses from: each has its own graphs). The prompts are random token ids, distinct so no
+prefix-cache hit shortens them; the counters a client reads (tokens, requests, step times, drafts) are reset
+afterwards, the process's builds and captures are not (they are what the warm-up is for).
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def warm_up(llm) -> dict:
         llm.generate([ids.prompt(n)], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     sizes = decode_batch_sizes(engine.config.max_num_seqs)
     steps = min(DECODE_STEPS, engine.max_model_len - DECODE_PROMPT_TOKENS - 1)
-    for size in sizes:
-        llm.generate([ids.prompt(DECODE_PROMPT_TOKENS) for _ in range(size)],
-                     SamplingParams(max_tokens=steps, ignore_eos=True), use_tqdm=False)
+    for _ in _draft_lengths(engine.speculator):
+        for size in sizes:
+            llm.generate([ids.prompt(DECODE_PROMPT_TOKENS) for _ in range(size)],
+                         SamplingParams(max_tokens=steps, ignore_eos=True), use_tqdm=False)
     engine.reset_counters()
     done = {"prefill_tokens": lengths, "decode_batch_sizes": sizes, "seconds": round(time.perf_counter() - started, 2),
             "kernels_built": kernel_compiles.count() - built, "graphs_captured": cuda_graphs.captures - captured}
@@ -56,16 +57,28 @@ def warm_up(llm) -> dict:
 
 def warm_up_server(llm, wanted: bool | None) -> None:
     """A server's warm-up: ``wanted`` (--warm-up), or where it is None, on a GPU (a CPU builds and captures nothing:
-    there the warm-up would only delay the server's start) without speculative decoding: on an H100 (2026-12-06)
-    the warm-up failed in a speculative benchmark's engines at batch 1 (a tensor size mismatch, not yet traced;
-    the same runs pass on a CPU), so it runs there only when asked."""
-    on_gpu, drafts = llm.engine.device.type == "cuda", llm.engine.speculator is not None
+    there the warm-up would only delay the server's start)."""
     if wanted is None:
-        wanted = on_gpu and not drafts
-        if on_gpu and drafts:
-            logger.info("warm-up off: with speculative decoding it is not yet verified on a GPU (--warm-up runs it)")
+        wanted = llm.engine.device.type == "cuda"
     if wanted:
         warm_up(llm)
+
+
+def _draft_lengths(speculator):
+    """Yields once per decode sweep: once without a measured draft policy, else once for each draft length it
+    chooses from, the policy held to that length (its step at each batch size has its own CUDA graph, and a probe
+    of a length at a size a run's end shrinks to must not capture one: H100, 2026-12-06, a batch-16 probe with 5
+    drafts captured inside a timed batch-32 run). The policy books the steps' costs, as it would a run's."""
+    if speculator is None or speculator.policy is None:
+        yield None
+        return
+    choices = speculator.policy_choices
+    try:
+        for k in choices:
+            speculator.policy_choices = (k,)
+            yield k
+    finally:
+        speculator.policy_choices = choices
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
