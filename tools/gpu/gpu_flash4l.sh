@@ -280,7 +280,7 @@ if has policy; then  # the measured policy's booked costs against its steps' ste
     for b in ${POLICY_BATCHES:-32 1}; do
         stamp "policy plain steps b$b"
         timeout ${POLICY_TIMEOUT:-150} "${py[@]}" tools/profiling/policy_plain_steps.py --batch-size $b --output-len 128 \
-            --repeats 1 --pattern ${POLICY_PATTERN:-8,4} 2>&1 | grep -v "INFO\|Loading" | tail -1 | tee -a "$out/policy_plain_steps.jsonl"
+            --repeats 1 --pattern ${POLICY_PATTERN:-8,4} ${POLICY_ARGS:-} 2>&1 | grep -v "INFO\|Loading" | tail -1 | tee -a "$out/policy_plain_steps.jsonl"
     done
 fi
 if has replay; then  # SWA bounded replay, prefill off vs compact (V4.1-shaped fixture, embedded model)
