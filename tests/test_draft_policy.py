@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.engine import draft_policy
-from deepinfer.engine.draft_policy import (MIN_PROBE_INTERVAL, PROBE_BUDGET, PROBE_STEPS, WARMUP_SAMPLES,
+from deepinfer.engine.draft_policy import (MIN_PROBE_INTERVAL, PROBE_BUDGET, PROBE_STEPS, WARMUP_SAMPLES, probe_price,
                                            DraftPolicy, batch_bucket, best_length, choose, expected_tokens,
                                            record_acceptance, record_cost, tokens_per_second)
 
@@ -116,19 +116,22 @@ def test_probes_re_time_the_other_lengths_within_the_budget_on_a_fixed_schedule(
             record_cost(policy, 4, k, DEAR_ROWS(k))
         return policy, made
 
-    policy, made = run(1600)
+    policy, made = run(8000)
     rates = tokens_per_second(policy, 4, choices)
     assert max(rates, key=rates.get) == 0  # drafts do not pay here: plain decoding is the best
     probes = [(i, k) for i, (k, reason) in enumerate(made) if reason == "probe"]
-    # the closest to the best is due first, after 3 s (1 - r) / PROBE_BUDGET decisions (a probe runs s steps)
-    first_due = min(3 * PROBE_STEPS * (1 - rates[k] / rates[0]) / PROBE_BUDGET for k in (1, 2, 3))
+    # the closest to the best is due first, after 3 (s (1 - r) + w) / PROBE_BUDGET decisions (a probe runs s steps
+    # and switches twice)
+    first_due = min(3 * (PROBE_STEPS * (1 - rates[k] / rates[0]) + draft_policy.PROBE_SWITCH_STEPS) / PROBE_BUDGET
+                    for k in (1, 2, 3))
     assert probes[0][0] == int(-(-first_due // 1)) and probes[0][1] == 1
     assert {k for _, k in probes} == {1, 2, 3}  # every other length is seen again
     # in best-length steps, each probe priced at the steps it runs in the overlapped steps (here: one, timed at once)
-    lost = sum(PROBE_STEPS * (1 - rates[k] / rates[0]) for _, k in probes)
+    # and its switches
+    lost = sum(probe_price(rates[k] / rates[0]) for _, k in probes)
     assert lost <= 1.5 * PROBE_BUDGET * len(made)
     assert all(k == 0 for k, reason in made if reason == "best")
-    assert run(1600)[1] == made
+    assert run(8000)[1] == made
 
 
 def test_a_probe_is_held_until_its_length_is_timed_or_for_probe_hold_decisions():
@@ -150,15 +153,21 @@ def test_a_probe_is_held_until_its_length_is_timed_or_for_probe_hold_decisions()
     assert choose(policy, 4, choices) == (0, "best")
 
 
-def test_a_length_as_good_as_the_best_is_re_timed_every_min_probe_interval():
+def test_a_length_as_good_as_the_best_is_re_timed_after_its_switches_price():
+    """A tie costs a probe no tokens, only its switches: due every PROBE_SWITCH_STEPS / PROBE_BUDGET decisions,
+    never sooner than MIN_PROBE_INTERVAL."""
     # k = 1 always accepted: 2 tokens for twice a plain step's cost, less the margin drafts must clear: a tie
-    policy = _measured(1, 2, lambda k: 0.02 / (1 + draft_policy.DRAFT_MARGIN) if k else 0.01, 1.0)
-    made = []
-    for _ in range(3 * MIN_PROBE_INTERVAL):
-        made.append(choose(policy, 2, (0, 1)))
-        record_cost(policy, 2, made[-1][0], policy.costs[2, made[-1][0]])
-    probes = [i for i, (_, reason) in enumerate(made) if reason == "probe"]
-    assert probes == [MIN_PROBE_INTERVAL, 2 * MIN_PROBE_INTERVAL + 1]  # each due MIN_PROBE_INTERVAL after its last
+    for switch_steps, interval in ((draft_policy.PROBE_SWITCH_STEPS, round(probe_price(1.0) / PROBE_BUDGET)),
+                                   (0.0, MIN_PROBE_INTERVAL)):
+        policy = _measured(1, 2, lambda k: 0.02 / (1 + draft_policy.DRAFT_MARGIN) if k else 0.01, 1.0)
+        made = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(draft_policy, "PROBE_SWITCH_STEPS", switch_steps)
+            for _ in range(3 * interval):
+                made.append(choose(policy, 2, (0, 1)))
+                record_cost(policy, 2, made[-1][0], policy.costs[2, made[-1][0]])
+        probes = [i for i, (_, reason) in enumerate(made) if reason == "probe"]
+        assert probes == [interval, 2 * interval + 1]  # each due its interval after its last
 
 
 def test_buckets_learn_apart():

@@ -14,10 +14,11 @@ The rule (``choose``), for the step about to be drafted for, over the lengths th
 1. warm-up: a length with fewer than ``WARMUP_SAMPLES`` timed steps in this bucket runs first (longest first,
    which also measures acceptance at every position);
 2. probe: a length other than the best is re-timed when due, so that costs and acceptance that drift are seen
-   again; it is due ``n s (1 - r) / PROBE_BUDGET`` decisions after it was last timed, ``r`` its expected tokens
-   per second relative to the best's, ``s`` the steps a probe runs (``PROBE_STEPS``) and ``n`` the number of other
-   lengths (at least ``MIN_PROBE_INTERVAL``), so probes cost the bucket at most about ``PROBE_BUDGET`` of its
-   throughput; the most overdue goes first. A probe is chosen again until its length is timed (at most
+   again; it is due ``n (s (1 - r) + w) / PROBE_BUDGET`` decisions after it was last timed, ``r`` its expected
+   tokens per second relative to the best's, ``s`` the steps a probe runs (``PROBE_STEPS``), ``w`` what switching
+   into the probe's run and back costs, in steps of the best (``PROBE_SWITCH_STEPS``), and ``n`` the number of
+   other lengths (at least ``MIN_PROBE_INTERVAL``), so probes cost the bucket at most about ``PROBE_BUDGET`` of
+   its throughput; the most overdue goes first. A probe is chosen again until its length is timed (at most
    ``PROBE_HOLD`` decisions): the overlapped steps time a step only inside a run of its length, from its third.
    Priced as one step each, probes of four took 13% of the H100's decisions at batch 1 and 32 (embedded model,
    0.81x and 0.86x of decoding without drafts). The schedule follows the counts and the estimates only: no
@@ -50,6 +51,10 @@ MIN_PROBE_INTERVAL = 16  # decisions between re-timings of one length at least, 
 # fourth launch (``engine/run_clock.py``'s STEADY_FROM + 1); its due time prices all of them
 PROBE_STEPS = 4
 PROBE_HOLD = PROBE_STEPS + 1  # decisions a probe is held for until its length is timed (one for slack)
+# a switch between lengths drains the overlapped steps' pipeline: the launch after it came 2.8-3.5 ms after the one
+# before, 1.7-1.8 ms more than the run's period (H100, embedded model, batch 1, 2026-12-06:
+# tools/profiling/policy_plain_steps.py's run_start_gaps_ms), about 1.7 plain steps; a probe switches twice
+PROBE_SWITCH_STEPS = 3.5
 # drafts must promise this much more than plain decoding per second: a step's count is a mean over its requests, and
 # the ones that accept less than the mean end later, decoding in small batches that cost nearly a full step each
 # (the embedded model at batch 8 on a CPU: +16% per step predicted for 5 drafts, 0.87x realized)
@@ -148,7 +153,7 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
         others = [k for k in longest_first if k != best]
         # decisions past each other length's due time: its last timing plus its share of the probe budget
         overdue = {k: decision - policy.measured_at[bucket, k]
-                   - max(MIN_PROBE_INTERVAL, len(others) * PROBE_STEPS * (1 - rates[k] / rates[best]) / PROBE_BUDGET)
+                   - max(MIN_PROBE_INTERVAL, len(others) * probe_price(rates[k] / rates[best]) / PROBE_BUDGET)
                    for k in others}
         due = [k for k in others if overdue[k] >= 0]
         if due:
@@ -163,6 +168,12 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
                      {j: round(policy.costs[bucket, j] * 1e3, 2) for j in choices if (bucket, j) in policy.costs},
                      [round(a, 3) for a in policy.acceptance])
     return k, reason
+
+
+def probe_price(relative_rate: float) -> float:
+    """What a probe of a length at ``relative_rate`` of the best's tokens per second costs, in the best's steps:
+    its steps' shortfall and its two switches."""
+    return PROBE_STEPS * (1 - relative_rate) + PROBE_SWITCH_STEPS
 
 
 def tokens_per_second(policy: DraftPolicy, bucket: int, choices: tuple[int, ...]) -> dict[int, float]:
