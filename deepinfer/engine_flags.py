@@ -24,8 +24,8 @@ def add_warm_up_argument(parser) -> None:
     """The server's warm-up flag (``deepinfer serve``, and the server ``deepinfer bench serve`` starts)."""
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                         help="before serving, run the prompt lengths and decode batch sizes the server will meet once, "
-                             "so that no request waits for a kernel build or a CUDA-graph capture (default: on a GPU "
-                             "without speculative decoding; a CPU builds and captures nothing)")
+                             "so that no request waits for a kernel build or a CUDA-graph capture (default: on a GPU; "
+                             "a CPU builds and captures nothing)")
 
 
 def engine_arguments(args) -> dict:

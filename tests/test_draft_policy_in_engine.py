@@ -166,6 +166,10 @@ def test_plain_steps_sample_and_store_inside_their_graph(plain_outputs, monkeypa
         return real_tail(self, *args)
 
     monkeypatch.setattr(PlainStepStore, "_run", counted)
+    built = []  # a plain run's steps share one tail while its requests stay the same (rebuilt as they change)
+    real_build = PlainStepStore._build
+    monkeypatch.setattr(PlainStepStore, "_build", lambda self, requests: built.append(len(requests))
+                        or real_build(self, requests))
     drafted = {}
     for store in ("tail", "eager"):
         if store == "eager":
@@ -179,6 +183,8 @@ def test_plain_steps_sample_and_store_inside_their_graph(plain_outputs, monkeypa
         drafted[store] = (stats.num_drafts, stats.num_accepted_tokens)
         assert llm.engine.overlap.launches["plain"] > 0
         assert bool(tails) == (store == "tail"), store  # the eager store ran no tail
+        if store == "tail":
+            assert 0 < len(built) < len(tails) / 2 and set(built) >= {3}
         tails.clear()
         if store == "tail":
             plain = llm.engine.overlap.launches["plain"]
