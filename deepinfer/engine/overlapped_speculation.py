@@ -132,9 +132,9 @@ class OverlappedSpeculation:
         # the step's graph where it replays one: ``engine/plain_store.py``), so drafting resumes after any of
         # them. Without that method plain steps wait for their result.
         drafter = self.speculator.drafter
-        self.plain = None
+        self.plain = self.plain_store = None
         if self.speculator.policy is not None and hasattr(drafter, "store_on_device"):
-            store = PlainStepStore(self.runner, drafter)
+            self.plain_store = store = PlainStepStore(self.runner, drafter)
             self.plain = DecodeSteps(context, asynchronous=True, after_sampling=store.store, tail=store.tail)
 
     @property
@@ -202,6 +202,8 @@ class OverlappedSpeculation:
         if self.plain.in_flight:
             self.launches["plain"] += 1
         self.speculator.pending_choice = None  # timed here, not as a synchronous step
+        if not self.plain.in_flight:  # a run's first step: its requests' slots may have moved since the last run
+            self.plain_store.forget()
         self.clock.note(len(scheduled), 0, first=not self.plain.in_flight)
         return self.plain.run(scheduled)
 

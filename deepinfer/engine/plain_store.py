@@ -41,8 +41,8 @@ class PlainStepStore:
     def tail(self, scheduled: ScheduledBatch) -> StepTail | None:
         """The step's tail (one row a request, padded to the graph's batch: sampling parameters, prompt
         lengths, the drafter's slots), or None where a request needs the host's sampling. A plain run's steps
-        share one: what it holds is fixed per request, and rebuilding it cost the host ~80 us a step (CPU VM,
-        batch 1), on the H100 in series with a batch-1 step of about 1 ms."""
+        share one (``forget`` at each run's start): what it holds is fixed per request, and rebuilding it cost
+        the host ~80 us a step (CPU VM, batch 1), on the H100 in series with a batch-1 step of about 1 ms."""
         requests = scheduled.requests
         finished = tuple(r.finished for r in requests)
         if self._last is not None:
@@ -55,6 +55,11 @@ class PlainStepStore:
         tail = self._build(requests)
         self._last = (requests, finished, tail)
         return tail
+
+    def forget(self) -> None:
+        """A plain run starts: its tail is built afresh (a request preempted and resumed since the last run, in
+        the same company, may hold another drafter slot)."""
+        self._last = None
 
     def _build(self, requests: list[Request]) -> StepTail:
         pad = self.runner.graphs.padded_requests(len(requests)) - len(requests)
