@@ -385,4 +385,4 @@ class OverlappedSpeculation:
 
 def _plain(scheduled: ScheduledBatch) -> bool:
     """One row per request, sampled, no drafts: a step a plain run may launch."""
-    return all(row.samples and row.count == 1 and not row.drafts for row in scheduled)
+    return all(row.decodes and row.count == 1 for row in scheduled)

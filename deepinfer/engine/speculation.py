@@ -264,7 +264,7 @@ class Speculator:
         choice, self.pending_choice = self.pending_choice, None
         if choice:
             draft_policy.record_acceptance(self.policy, choice, accepted)
-        decode_only = all(row.samples and row.count == row.drafts + 1 for row in scheduled)
+        decode_only = all(row.decodes for row in scheduled)
         if choice is not None and decode_only and scheduled and cuda_graphs.captures == self.pending_captures:
             draft_policy.record_cost(self.policy, len(scheduled), choice, seconds + self.pending_draft_seconds)
 

@@ -15,6 +15,7 @@ afterwards, the process's builds and captures are not (they are what the warm-up
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -43,10 +44,11 @@ def warm_up(llm) -> dict:
         llm.generate([ids.prompt(n)], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     sizes = decode_batch_sizes(engine.config.max_num_seqs)
     steps = min(DECODE_STEPS, engine.max_model_len - DECODE_PROMPT_TOKENS - 1)
-    for _ in _draft_lengths(engine.speculator):
-        for size in sizes:
-            llm.generate([ids.prompt(DECODE_PROMPT_TOKENS) for _ in range(size)],
-                         SamplingParams(max_tokens=steps, ignore_eos=True), use_tqdm=False)
+    for choices in _decode_sweeps(engine.speculator):
+        with _policy_held(engine.speculator, choices):
+            for size in sizes:
+                llm.generate([ids.prompt(DECODE_PROMPT_TOKENS) for _ in range(size)],
+                             SamplingParams(max_tokens=steps, ignore_eos=True), use_tqdm=False)
     engine.reset_counters()
     done = {"prefill_tokens": lengths, "decode_batch_sizes": sizes, "seconds": round(time.perf_counter() - started, 2),
             "kernels_built": kernel_compiles.count() - built, "graphs_captured": cuda_graphs.captures - captured}
@@ -64,21 +66,27 @@ def warm_up_server(llm, wanted: bool | None) -> None:
         warm_up(llm)
 
 
-def _draft_lengths(speculator):
-    """Yields once per decode sweep: once without a measured draft policy, else once for each draft length it
-    chooses from, the policy held to that length (its step at each batch size has its own CUDA graph, and a probe
-    of a length at a size a run's end shrinks to must not capture one: H100, 2026-12-06, a batch-16 probe with 5
-    drafts captured inside a timed batch-32 run). The policy books the steps' costs, as it would a run's."""
+def _decode_sweeps(speculator) -> list[tuple[int, ...] | None]:
+    """The draft lengths each decode sweep holds the measured policy to: one sweep without a policy (None), else
+    one for each length it chooses from (its step at each batch size has its own CUDA graph, and a probe of a length
+    at a size a run's end shrinks to must not capture one: H100, 2026-12-06, a batch-16 probe with 5 drafts captured
+    inside a timed batch-32 run). The policy books the steps' costs, as it would a run's."""
     if speculator is None or speculator.policy is None:
-        yield None
+        return [None]
+    return [(k,) for k in speculator.policy_choices]
+
+
+@contextmanager
+def _policy_held(speculator, choices: tuple[int, ...] | None):
+    """The policy chooses only from ``choices`` inside the block (None: left alone)."""
+    if choices is None:
+        yield
         return
-    choices = speculator.policy_choices
+    kept, speculator.policy_choices = speculator.policy_choices, choices
     try:
-        for k in choices:
-            speculator.policy_choices = (k,)
-            yield k
+        yield
     finally:
-        speculator.policy_choices = choices
+        speculator.policy_choices = kept
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -117,8 +117,7 @@ class DecodeGraphs:
         graph. A prefill chunk short enough to fit a verification step's rows is not one: its logits would be
         every row's, where only its last is sampled."""
         q = self.tokens_per_request
-        return len(scheduled) <= self.sizes[-1] and all(
-            row.samples and row.count == row.drafts + 1 <= q for row in scheduled)
+        return len(scheduled) <= self.sizes[-1] and all(row.decodes and row.count <= q for row in scheduled)
 
     def _rows_per_request(self, scheduled: ScheduledBatch, tail: StepTail | None) -> int:
         """A request's rows in this step's graph: one where every request has only its last token (speculative

@@ -34,6 +34,12 @@ class ScheduledRequest:
     def end(self) -> int:
         return self.start + self.count
 
+    @property
+    def decodes(self) -> bool:
+        """A decode row: the request's last token and its drafts, all sampled (a prefill chunk samples its last
+        row only, however few rows it has)."""
+        return self.samples and self.count == self.drafts + 1
+
 
 @dataclass(slots=True)
 class ScheduledBatch:
