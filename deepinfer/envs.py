@@ -51,7 +51,7 @@ class Envs:
     DEEPINFER_KERNELS: str = _variable(
         "str", "auto", "build.sh (nvidia): where DeepSeek's kernels come from: `auto`, `triton`, "
         "`source:DIR`, `prebuilt:DIR`, `pypi[:VLLM_VERSION]` (see build.sh). At run time `triton` leaves "
-        "FlashMLA and DeepGEMM unused even where they are installed.",
+        "FlashMLA, DeepGEMM and humming-kernels unused even where they are installed.",
     )
     DEEPINFER_HF_MODEL_DIR: Path | None = _variable(
         "path", None, "Local checkpoint directory; overrides the model argument and the hub default.",

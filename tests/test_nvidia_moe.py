@@ -20,7 +20,7 @@ from deepinfer.plugins.builtin.torch_moe import TorchMoE  # noqa: E402
 from deepinfer.plugins.interfaces import ExpertWeights  # noqa: E402
 from deepinfer_nvidia import moe as moe_module  # noqa: E402
 from deepinfer_nvidia import moe_blocks, moe_fp4_bytes  # noqa: E402
-from deepinfer_nvidia.moe import LARGE_BM, SMALL_BM, TritonMoE, _blocks, block_rows  # noqa: E402
+from deepinfer_nvidia.moe import LARGE_BM, SMALL_BM, TritonMoE, block_rows  # noqa: E402
 
 BM = SMALL_BM
 
@@ -122,7 +122,7 @@ def test_blocks_cover_every_assignment_once(tokens, experts, top_k, bm):
     g = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids[: tokens // 2, 0] = 1  # one popular expert: several blocks, one partial
-    order, (expert, start, rows) = _blocks(ids.to(DEVICE), experts, bm)
+    order, (expert, start, rows) = moe_blocks.sorted_blocks(ids.to(DEVICE), experts, bm)
     assignments = tokens * top_k
     assert len(expert) == -(-assignments // bm) + min(experts, assignments)
     sorted_ids = ids.flatten()[order.cpu()]
@@ -138,14 +138,14 @@ def test_blocks_cover_every_assignment_once(tokens, experts, top_k, bm):
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 3), (5, 4, 2), (40, 8, 2), (3, 256, 6), (170, 256, 6),
                                                      (64, 384, 6)])
 def test_one_launch_blocks_equal_the_sorted_ones(tokens, experts, top_k, bm):
-    """The decode path's one-launch block table is ``_blocks``'s exactly: stable order, every block (several
+    """The decode path's one-launch block table is ``sorted_blocks``'s exactly: stable order, every block (several
     programs from 64 assignments or blocks on)."""
     g = torch.Generator().manual_seed(tokens + experts)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids[: tokens // 2, 0] = experts - 1  # a popular expert
     ids = ids.to(DEVICE)
     assert moe_blocks.serves(ids.numel())
-    order, blocks = _blocks(ids, experts, bm)
+    order, blocks = moe_blocks.sorted_blocks(ids, experts, bm)
     fused_order, token_of, sorted_rows, fused_blocks = moe_blocks.expert_blocks(ids, experts, bm)
     assert torch.equal(fused_order, order.int()) and torch.equal(token_of, (order // top_k).int())
     assert torch.equal(sorted_rows, torch.arange(ids.numel(), dtype=torch.int32, device=DEVICE))

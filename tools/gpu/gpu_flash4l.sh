@@ -5,7 +5,8 @@
 #
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
-# Sections: install, tests (every NVIDIA kernel test), debug (the open FP8-cache fault), quicktests, roofline,
+# Sections: install, tests (every NVIDIA kernel test), humming (the humming-kernels route's tests and gpu_mxfp4.py with it), v41ab
+# (v41flash8L with the humming route and without), debug (the open FP8-cache fault), quicktests, roofline,
 # kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests; FP8_ARGS, e.g. "--rows 6 192"), mxfp4 (tools/gpu/gpu_mxfp4.py; MXFP4_TESTS narrows its tests; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), flash and flashprev (flash4L decode at FLASH_BATCHES, this tree and .prev's), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
@@ -26,11 +27,11 @@
 # for .wheels the packages the box lacks, without dependencies (it has torch, numpy, pluggy and pytest):
 #   pip download --no-deps -d .wheels jsonschema jsonschema-specifications referencing lark pydantic==2.14.4 \
 #       typing-inspection annotated-types fastapi starlette uvicorn h11 httpx httpcore anyio sniffio idna certifi \
-#       click typing_extensions annotated-doc opentelemetry-api openai httpx2 httpcore2 truststore
+#       click typing_extensions annotated-doc opentelemetry-api openai httpx2 httpcore2 truststore tabulate cuda-pathfinder
 #   (openai: the test extra's; build.sh stops without it, and the install section then installs the packages alone)
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .wheels rpds-py xgrammar \
-#       pydantic-core==2.50.5 apache-tvm-ffi jiter httptools uvloop
+#       pydantic-core==2.50.5 apache-tvm-ffi jiter httptools uvloop humming-kernels==0.1.19 "cuda-bindings<13.1"
 set -uo pipefail
 sections=",$1,"
 # the device tool returns a few files only: results go to one archive, repacked as each section starts
@@ -145,6 +146,14 @@ if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference
     [[ "${MXFP4_ARGS:-}" == *--peers* && -d .peers ]] && bash .peers/install.sh 2>&1 | tail -12
     timeout ${MXFP4_TIMEOUT:-360} python tools/gpu/gpu_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | grep -vE "INFO|^ " | tee "$out/mxfp4.txt" | tail -40
 fi
+if has humming; then  # the humming-kernels route for MXFP4 experts (moe_humming): its tests, then gpu_mxfp4.py with it
+    stamp humming
+    python3 -c "from deepinfer_nvidia import moe_humming; print('humming route:', moe_humming.load()[1])"
+    timeout ${TESTS_TIMEOUT:-240} python -m pytest -q -x ${HUMMING_TESTS:-tests/test_nvidia_moe_humming.py tests/test_nvidia_moe.py} 2>&1 \
+        | tee "$out/humming_tests.txt" | tail -6
+    MXFP4_BATCHES="${MXFP4_BATCHES:-1 8 16 64 256 2048}" timeout ${MXFP4_TIMEOUT:-360} python tools/gpu/gpu_mxfp4.py \
+        ${MXFP4_ARGS:-} 2>&1 | grep -vE "INFO|^ " | tee "$out/humming_mxfp4.txt" | tail -40
+fi
 if has fp8experts; then  # FP8 routed experts (V4-Flash-Base): tests, Triton against DeepGEMM's masked GEMM per layer, then
     # flash4Lfp8's replayed decode steps (FP8_KERNELS="auto triton" adds a run with Triton only; a fresh box compiles
     # for minutes before the first replay: once, 200 s were not enough)
@@ -172,7 +181,7 @@ latency() {  # name, then bench latency arguments (--model defaults to flash4L)
     local name=$1; shift
     stamp "latency $name"
     timeout 400 "${bench[@]}" latency --model "${model:-/tmp/flash4L}" --load-format dummy --dtype bfloat16 --num-iters-warmup 1 \
-        --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|Killed|DeepSeek kernels" | tail -6
+        --num-iters 3 --output-json "$out/latency_$name.json" "$@" 2>&1 | grep -E "Error|error|Killed|DeepSeek kernels|MXFP4 experts" | tail -6
     python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: {m: v.get(m) for m in ('avg_latency','prefill_tokens_per_second','decode_tokens_per_second','step_ms')} if isinstance(v, dict) else v for k, v in r.items() if k != 'machine'})" "$out/latency_$name.json" 2>&1
 }
 if has profile; then  # kernels per eager decode step at batch 1 and 16
@@ -377,6 +386,16 @@ if has v41; then  # V4.1-Flash's first 8 layers, FP8 + MXFP4 as released (no HF 
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     for b in ${V41_BATCHES:-1 64}; do
         model=/tmp/v41flash8L latency v41${V41_TAG:-}_b$b --batch-size $b --input-len 512 --output-len 64
+    done
+fi
+if has v41ab; then  # v41flash8L with the humming route, then with humming uninstalled (Triton's swap-AB kernel), one call
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for b in ${V41_BATCHES:-1 64}; do
+        model=/tmp/v41flash8L latency v41humming_b$b --batch-size $b --input-len 512 --output-len 64
+    done
+    python3 -m pip uninstall -y -q humming-kernels 2>&1 | tail -1
+    for b in ${V41_BATCHES:-1 64}; do
+        model=/tmp/v41flash8L latency v41triton_b$b --batch-size $b --input-len 512 --output-len 64
     done
 fi
 if has v41prev; then  # the same two runs from the previous commit's tree, as the peer

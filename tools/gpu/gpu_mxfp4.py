@@ -1,6 +1,7 @@
 """MXFP4 routed experts on the GPU at V4.1-Flash shapes (hidden 5120, intermediate 2304, top-6 of 384 experts,
 activations rounded in 1 x 32 blocks): the swap-AB kernel on repacked weights (``moe_mxfp4``) against the byte-layout
-kernel it replaces (``moe_fp4_bytes.experts``), both checked against the torch reference, printed as JSON lines.
+kernel it replaces (``moe_fp4_bytes.experts``) and the humming-kernels route (``moe_humming``, where humming is
+installed), each checked against the torch reference, printed as JSON lines.
 
     PYTHONPATH=$PWD:$PWD/backends/nvidia:$PWD/tools/gpu python tools/gpu/gpu_mxfp4.py [--sweep]
 
@@ -22,7 +23,7 @@ import torch
 from deepinfer.runtime.quantization import quantize_fp4
 from deepinfer.plugins.builtin.torch_moe import TorchMoE
 from deepinfer.plugins.interfaces import ExpertWeights
-from deepinfer_nvidia import moe, moe_mxfp4, moe_mxfp4_layout
+from deepinfer_nvidia import moe, moe_humming, moe_mxfp4, moe_mxfp4_layout
 from gpu_kernels import _graph_us  # tools/: a call captured in a CUDA graph, its replays timed
 import mxfp4_peers  # tools/: humming-kernels and triton_kernels on the same problem (--peers)
 
@@ -40,6 +41,20 @@ def _stack(rows: int, cols: int):
     packed, scales = zip(*(quantize_fp4(torch.randn(rows, cols, device=DEVICE) * cols**-0.5)
                            for _ in range(EXPERTS)))
     return torch.stack(packed), torch.stack(scales)
+
+
+class _Deterministic:
+    """The humming route with stream-K off in every tile configuration (``moe_humming.STREAM_K``)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def routed_experts(self, *args):
+        moe_humming.STREAM_K = False
+        try:
+            return self.backend.routed_experts(*args)
+        finally:
+            moe_humming.STREAM_K = True
 
 
 def _time(backend, x, ids, topk_weights, weights, expected) -> dict:
@@ -79,6 +94,11 @@ def main(sweep: bool, breakdown: bool, peers: bool = False) -> dict:
     per_expert = sum(t[0].numel() * t.element_size() for t in (w1, w3, w2, s1, s3, s2))
     previous = moe.TritonMoE(reference=None, repack_fp4=False)
     ours = moe.TritonMoE(reference=None)
+    # the humming-kernels route as the engine wires it (moe_humming), on its own copy (converted in place)
+    humming = moe_humming.load()[0] is not None
+    converted = ExpertWeights(w1.clone(), w3.clone(), w2.clone(), 10.0, s1.clone(), s3.clone(), s2.clone(),
+                              ACTIVATION_BLOCK) if humming else None
+    routed = moe.TritonMoE(reference=None, humming=True)
     default_tiles, default_programs = dict(moe_mxfp4.TILES), moe_mxfp4.PROGRAMS_PER_SM
     rows = []
     for tokens in BATCHES:
@@ -91,6 +111,11 @@ def main(sweep: bool, breakdown: bool, peers: bool = False) -> dict:
         bm = moe.block_rows(ids.numel(), EXPERTS)
         contenders = [("byte layout (previous)", previous, standard, None, None),
                       ("swap-AB", ours, repacked, None, None)]
+        if humming:
+            contenders.append(("humming route", routed, converted, None, None))
+            contenders.append(("humming route, no stream-K", _Deterministic(routed), converted, None, None))
+        else:
+            rows.append(base | {"kernel": "humming route", "reason": moe_humming.load()[1]})
         if sweep:
             contenders += [(f"swap-AB {tile}", ours, repacked, tile, None) for tile in SWEEP]
             contenders += [(f"swap-AB programs/SM {n}", ours, repacked, None, n) for n in SPLIT_SWEEP if tokens <= 32]

@@ -14,7 +14,7 @@ from triton.compiler import ASTSource
 
 from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_bf16_gemm, fp8_gemv, fp8_linear,
                               fp8_rounding, kv_store, logits, mhc, mhc_weights, moe, moe_blocks, moe_fp4_bytes, moe_fp8,
-                              moe_grouped, moe_mxfp4, norm, rope, routing, sampling, slots, split_k)
+                              moe_grouped, moe_humming, moe_mxfp4, norm, rope, routing, sampling, slots, split_k)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -115,6 +115,9 @@ CASES = {
     "expert blocks": (moe_blocks._blocks_kernel, {"ids_ptr": "*i64", **{f"{n}_ptr": "*i32" for n in (
                           "order", "token_of", "sorted_rows", "expert", "start", "rows")}},
                       {"TOP_K": 6, "BM": 16, "E_PAD": 256, "CHUNK": 16}),
+    "humming's indexed tables": (moe_humming._indexed_kernel, {f"{n}_ptr": "*i32" for n in (
+                                      "order", "rows", "start", "sorted", "padded")},
+                                  {"BLOCK": 48, "SLOTS": 64, "COUNT_CHUNK": 1024}),
     "mxfp4 dequantization": (moe_grouped._dequant_fp4_kernel, {"codes_ptr": "*i8", "scales_ptr": "*u8",
                                                                "out_ptr": "*i32"},
                              {"HALF_K": 2048, "ROWS": 8, "BLOCK": 256}),

@@ -16,7 +16,8 @@ w1 and w3 share one launch: each block reads its activation tile once for both w
 MXFP4: layers whose shapes and scales allow it are repacked on first use and served by ``moe_mxfp4``'s swap-AB
 kernel (1.5x the byte-layout kernel at decode on an H200, BENCHMARKS.md); ``moe_fp4_bytes``'s byte-layout kernel
 serves the others (K not a multiple of 64, N not of 16, a scale above 2) and batch-invariant mode, whose tiles it
-pins.
+pins. Where humming-kernels is installed, it serves the MXFP4 layers it takes instead (``moe_humming``: measured
+faster than the swap-AB kernel on SM90, BENCHMARKS.md), in its own layout of the same bytes.
 
 Float weights: the reference (``project``) multiplies in fp32. Here activations are rounded to the weight's dtype
 for its tensor cores, with fp32 accumulation; for bf16/fp16 weights that rounds SwiGLU's fp32 output (and ``x`` if
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.logger import init_logger, log_once
-from deepinfer_nvidia import (activation, moe_blocks, moe_fp4_bytes, moe_fp8, moe_grouped, moe_mxfp4,
+from deepinfer_nvidia import (activation, moe_blocks, moe_fp4_bytes, moe_fp8, moe_grouped, moe_humming, moe_mxfp4,
                               moe_mxfp4_layout, routing)
 from deepinfer_nvidia.fp8_rounding import fp8_rounded
 
@@ -87,24 +88,6 @@ def _float_experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, out_ptr, out_rows_ptr
                            SWIGLU)
 
 
-def _blocks(topk_ids: torch.Tensor, experts: int, bm: int):
-    """Expert-sorted assignment order and, per block of a grid sized from shapes alone, its expert, first sorted row
-    and row count (0 for surplus blocks). Only device-side ops: no bincount or repeat_interleave, which sync."""
-    device = topk_ids.device
-    sorted_ids, order, first_row = moe_blocks.expert_sorted(topk_ids, experts)
-    counts = first_row.diff()
-    per_expert = (counts + bm - 1) // bm
-    block_end = torch.cumsum(per_expert, 0)
-    assignments = sorted_ids.numel()
-    block = torch.arange(triton.cdiv(assignments, bm) + min(experts, assignments), device=device)
-    # the expert whose blocks cover ``block``; past the last block, the last expert with an index beyond its rows
-    expert = torch.searchsorted(block_end, block, right=True).clamp_(max=experts - 1)
-    index_in_expert = block - (block_end - per_expert)[expert]
-    start = first_row[expert] + index_in_expert * bm
-    rows = (counts[expert] - index_in_expert * bm).clamp(0, bm)
-    return order, (expert.int(), start.int(), rows.int())
-
-
 def _grid(blocks, n):
     bn = moe_blocks.column_tile(n)
     return (len(blocks[0]), triton.cdiv(n, bn)), bn
@@ -127,7 +110,7 @@ class TritonMoE:
     graph_safe = True
 
     def __init__(self, reference, pinned: bool = False, grouped_gemm=None, grouped_align: int = 0,
-                 masked_gemm=None, masked_align: int = 0, repack_fp4: bool = True):
+                 masked_gemm=None, masked_align: int = 0, repack_fp4: bool = True, humming: bool = False):
         self.reference = reference  # serves what no kernel here takes (weights of other formats), with a warning
         self.pinned = pinned  # 16-row blocks and one tile configuration whatever the batch (batch-invariant mode)
         self.batch_invariant = pinned
@@ -138,11 +121,28 @@ class TritonMoE:
         # m_grouped_fp8_gemm_nt_masked and its M alignment: FP8 experts at decode (moe_fp8)
         self.grouped_gemm, self.grouped_align = (None, 0) if pinned else (grouped_gemm, grouped_align)
         self.masked_gemm, self.masked_align = (None, 0) if pinned else (masked_gemm, masked_align)
+        # humming-kernels for the MXFP4 layers it serves (moe_humming), where it is installed
+        self.humming = humming and not pinned
         if pinned:
             self.name = "triton, pinned tiles (batch-invariant)"
         elif grouped_gemm is not None:
             self.name = "triton; DeepGEMM's grouped GEMM in long prefills" + (
                 " and its masked FP8 GEMM for FP8 experts at decode" if masked_gemm is not None else "")
+        if self.humming:
+            self.name += "; humming-kernels for MXFP4 experts"
+
+    def _takes_humming(self, weights) -> bool:
+        """Whether humming serves this MXFP4 layer: decided on its first call (then its tensors carry the layout's
+        mark) and logged once per layer shape when it does not."""
+        mark = getattr(weights.w1, moe_mxfp4_layout.LAYOUT_ATTRIBUTE, None)
+        if mark is not None:
+            return mark == moe_humming.HUMMING_LAYOUT
+        if not self.humming:
+            return False
+        reason = moe_humming.serves(weights)
+        if reason is not None:
+            log_once(logger, logging.INFO, f"MXFP4 experts {tuple(weights.w1.shape)}: {reason}; Triton serves them")
+        return reason is None
 
     def route(self, x, token_ids, router):
         return routing.route(x, token_ids, router, pinned=self.pinned)
@@ -167,21 +167,18 @@ class TritonMoE:
         pairs = [(w1, w3)] + ([(weights.w1_scale, weights.w3_scale)] if fp4 or fp8 else [])
         if any(a.stride() != b.stride() for a, b in pairs) or w1.stride(-1) != 1 or w2.stride(-1) != 1:
             raise ValueError("routed experts: w1 and w3 (and their scales) need equal strides, and rows unit ones")
-        tokens, top_k = topk_ids.shape
+        tokens = topk_ids.shape[0]
         if tokens == 0:
             return torch.zeros_like(x)
         if fp8 and self.masked_gemm is not None and moe_fp8.masked_serves(tokens, weights):
             return moe_fp8.masked_routed_experts(self.masked_gemm, self.masked_align, x, topk_ids, topk_weights,
                                                  weights)
+        if fp4 and self._takes_humming(weights):
+            return moe_humming.routed_experts(weights, x, topk_ids, topk_weights)
         if self.grouped_gemm is not None and moe_grouped.serves(topk_ids.numel(), weights):
             return moe_grouped.routed_experts(self.grouped_gemm, self.grouped_align, x, topk_ids, topk_weights, weights)
         bm = SMALL_BM if self.pinned else block_rows(topk_ids.numel(), w1.shape[0])
-        if moe_blocks.serves(topk_ids.numel()):  # decode: one launch instead of ~20 small ones
-            order, token_of, sorted_rows, blocks = moe_blocks.expert_blocks(topk_ids, w1.shape[0], bm)
-        else:
-            order, blocks = _blocks(topk_ids, w1.shape[0], bm)
-            token_of, order = (order // top_k).int(), order.int()
-            sorted_rows = torch.arange(len(order), dtype=torch.int32, device=x.device)
+        order, token_of, sorted_rows, blocks = moe_blocks.assignment_blocks(topk_ids, w1.shape[0], bm)
         limit = weights.swiglu_limit
         if fp8:
             block, chunk = weights.activation_block, moe_fp8.chunk_columns(weights)

@@ -1,10 +1,10 @@
 """The routed experts' block table in one launch, and their weighted top-k sum in another.
 
-``moe._blocks`` builds it from torch ops (a sort, two searchsorted, a cumsum and a dozen small element-wise ops and
+``sorted_blocks`` builds it from torch ops (a sort, two searchsorted, a cumsum and a dozen small element-wise ops and
 casts): about twenty kernels per MoE layer, each a node of the decode graph that the host launches and the device
 runs for a few microseconds. Here one launch does it for the decode-sized case (few assignments): each program
 counts every expert's assignments, ranks a chunk of assignments stably (how many come before it in (expert, index)
-order: the order ``torch.sort(stable=True)`` gives), and fills a chunk of blocks exactly as ``_blocks`` does,
+order: the order ``torch.sort(stable=True)`` gives), and fills a chunk of blocks exactly as ``sorted_blocks`` does,
 surplus blocks included. Its work grows with assignments squared, so long prefills keep the torch ops (they are not
 in a graph, and a sort is the better algorithm there). One program doing every chunk in turn, as first written,
 took 161 µs a layer for a 64-token step of V4.1-Flash (384 assignments, 408 blocks) on an H200.
@@ -92,12 +92,41 @@ def rows_from(sorted_ids: torch.Tensor, order: torch.Tensor, first_row: torch.Te
     return rows
 
 
+def sorted_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
+    """Expert-sorted assignment order and, per block of a grid sized from shapes alone, its expert, first sorted row
+    and row count (0 for surplus blocks). Only device-side ops: no bincount or repeat_interleave, which sync."""
+    device = topk_ids.device
+    sorted_ids, order, first_row = expert_sorted(topk_ids, experts)
+    counts = first_row.diff()
+    per_expert = (counts + bm - 1) // bm
+    block_end = torch.cumsum(per_expert, 0)
+    assignments = sorted_ids.numel()
+    block = torch.arange(triton.cdiv(assignments, bm) + min(experts, assignments), device=device)
+    # the expert whose blocks cover ``block``; past the last block, the last expert with an index beyond its rows
+    expert = torch.searchsorted(block_end, block, right=True).clamp_(max=experts - 1)
+    index_in_expert = block - (block_end - per_expert)[expert]
+    start = first_row[expert] + index_in_expert * bm
+    rows = (counts[expert] - index_in_expert * bm).clamp(0, bm)
+    return order, (expert.int(), start.int(), rows.int())
+
+
+def assignment_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
+    """``(order, token_of, sorted_rows, (expert, start, rows))``, int32: the expert-sorted assignments (flat
+    (token, slot) ids), each one's token, the identity row map, and the blocks of ``bm`` rows. Decode-sized calls
+    take the one launch (``expert_blocks``), long prefills the sort (``sorted_blocks``)."""
+    if serves(topk_ids.numel()):  # decode: one launch instead of ~20 small ones
+        return expert_blocks(topk_ids, experts, bm)
+    order, blocks = sorted_blocks(topk_ids, experts, bm)
+    sorted_rows = torch.arange(len(order), dtype=torch.int32, device=topk_ids.device)
+    return order.int(), (order // topk_ids.shape[1]).int(), sorted_rows, blocks
+
+
 def serves(assignments: int) -> bool:
     return assignments <= MAX_ASSIGNMENTS
 
 
 def expert_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
-    """``(order, token_of, sorted_rows, (expert, start, rows))``, all int32: ``moe._blocks``'s order and blocks,
+    """``(order, token_of, sorted_rows, (expert, start, rows))``, all int32: ``sorted_blocks``'s order and blocks,
     each assignment's token and the identity row map, in one launch."""
     assignments = topk_ids.numel()
     num_blocks = triton.cdiv(assignments, bm) + min(experts, assignments)

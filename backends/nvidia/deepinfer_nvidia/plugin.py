@@ -54,14 +54,17 @@ def deepinfer_moe_backend(config, device):
         return None
     from deepinfer.plugins.builtin.torch_moe import TorchMoE
     from deepinfer_nvidia.deepseek_kernels import grouped_bf16_gemm, masked_fp8_gemm
+    from deepinfer_nvidia import moe_humming
     from deepinfer_nvidia.moe import TritonMoE
 
     if _invariant(config):
         return TritonMoE(reference=TorchMoE(), pinned=True)
     gemm, align = grouped_bf16_gemm()
     masked, masked_align = masked_fp8_gemm() if _masked_fp8_experts(device) else (None, 0)
+    humming, route = moe_humming.load()
+    log_once(logger, logging.INFO, f"MXFP4 experts: {route if humming is not None else 'Triton (' + route + ')'}")
     return TritonMoE(reference=TorchMoE(), grouped_gemm=gemm, grouped_align=align, masked_gemm=masked,
-                     masked_align=masked_align)
+                     masked_align=masked_align, humming=humming is not None)
 
 
 @hookimpl
