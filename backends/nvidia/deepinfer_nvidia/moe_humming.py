@@ -1,5 +1,5 @@
 """MXFP4 routed experts through humming-kernels (vLLM's SM90 choice for DeepSeek-V4's experts): an optional route,
-``pip install 'deepinfer-nvidia[humming]'``, which ``moe.TritonMoE`` takes for the layers ``serves`` accepts.
+``pip install -e 'backends/nvidia[humming]'``, which ``moe.TritonMoE`` takes for the layers ``serves`` accepts.
 
 Numerics. Humming's W4A16 GEMM expands MXFP4 weights to bf16 and multiplies bf16 activations with fp32 sums. The
 activations it gets are already rounded to FP8 in 1 x 32 blocks (``fp8_rounded``: an e4m3 value times a power of
