@@ -139,3 +139,45 @@ def test_route_replays_in_a_cuda_graph_with_other_routing():
         _close(out, expected_for[index])
         if index == 0:
             assert torch.equal(out, eager)
+
+
+def test_the_route_is_decided_per_layer_and_its_layout_mark_is_binding(monkeypatch, caplog):
+    """On any device, with humming's calls stubbed: a layer humming refuses keeps Triton and the log says why; a
+    layer it takes goes to it; once a layer's tensors carry humming's layout, every TritonMoE sends it there (no
+    Triton kernel ever reads those bytes), and an unconverted layer never goes there without the route."""
+    g = torch.Generator().manual_seed(5)
+    weights = _weights(4, 64, 64, g)
+    x = torch.randn(3, 64, generator=g).to(DEVICE, torch.bfloat16)
+    ids = torch.rand(3, 4, generator=g).argsort(1)[:, :2].to(DEVICE)
+    topk_weights = torch.rand(3, 2, generator=g).to(DEVICE)
+    calls = []
+
+    def stub(weights, *args):
+        calls.append(weights)
+        for codes in (weights.w1, weights.w3, weights.w2):
+            setattr(codes, moe_mxfp4_layout.LAYOUT_ATTRIBUTE, moe_humming.HUMMING_LAYOUT)
+        return torch.zeros_like(args[0])
+
+    monkeypatch.setattr(moe_humming, "routed_experts", stub)
+    monkeypatch.setattr(moe_humming, "serves", lambda w: "widths 64 and 64 are too narrow")
+    expected = TorchMoE().routed_experts(x, ids, topk_weights, _copy(weights))
+    with caplog.at_level("INFO"):
+        ours = TritonMoE(reference=TorchMoE(), humming=True).routed_experts(x, ids, topk_weights, _copy(weights))
+    assert not calls and "widths 64 and 64 are too narrow; Triton serves them" in caplog.text
+    assert (ours.float() - expected.float()).norm() <= 1e-2 * expected.float().norm()
+
+    monkeypatch.setattr(moe_humming, "serves", lambda w: None)
+    assert not TritonMoE(reference=TorchMoE()).routed_experts(x, ids, topk_weights, weights).eq(0).all()
+    assert not calls  # the route was not asked for
+    fresh = _copy(weights)
+    TritonMoE(reference=TorchMoE(), humming=True).routed_experts(x, ids, topk_weights, fresh)
+    assert calls == [fresh]
+    pinned = TritonMoE(reference=TorchMoE(), pinned=True)
+    assert pinned.routed_experts(x, ids, topk_weights, fresh).eq(0).all() and calls == [fresh, fresh]
+
+
+def _copy(weights):
+    """Unmarked copies of a layer's tensors (each kernel's layout mark lives on the tensors)."""
+    return ExpertWeights(*(t.clone() for t in (weights.w1, weights.w3, weights.w2)), weights.swiglu_limit,
+                         *(t.clone() for t in (weights.w1_scale, weights.w3_scale, weights.w2_scale)),
+                         weights.activation_block)
