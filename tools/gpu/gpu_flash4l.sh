@@ -6,7 +6,7 @@
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
 # Sections: install, tests (every NVIDIA kernel test), humming (the humming-kernels route's tests and gpu_mxfp4.py with it), v41ab
-# (v41flash8L with the humming route and without), debug (the open FP8-cache fault), quicktests, roofline,
+# (v41flash8L with the humming route and without), v41prefillab (V4.1 long prefills with the route and with it off), debug (the open FP8-cache fault), quicktests, roofline,
 # kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests; FP8_ARGS, e.g. "--rows 6 192"), mxfp4 (tools/gpu/gpu_mxfp4.py; MXFP4_TESTS narrows its tests; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), flash and flashprev (flash4L decode at FLASH_BATCHES, this tree and .prev's), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
 # HF, batch 1 eager, batch 1 and 16 with the FP8 cache, batch 1 and 16 without asynchronous scheduling), large
@@ -32,6 +32,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .wheels rpds-py xgrammar \
 #       pydantic-core==2.50.5 apache-tvm-ffi jiter httptools uvloop humming-kernels==0.1.19 "cuda-bindings<13.1"
+#   The carry limit is 64 MiB with the tree (21 MB): .kernels (30 MB) and every wheel (30 MB) do not fit together; for
+#   a section that needs DeepGEMM and humming (v41prefillab), carry .kernels and a .wheels of humming-kernels,
+#   cuda-bindings, cuda-pathfinder and tabulate only (12.5 MB; build.sh then installs the packages without the test extra).
 set -uo pipefail
 sections=",$1,"
 # the device tool returns a few files only: results go to one archive, repacked as each section starts
@@ -253,6 +256,18 @@ if has v41route; then  # the cuBLAS route of FP8 projections >= 192 rows, end to
         bench=(python -c "import deepinfer_nvidia.fp8_linear as f; f.BF16_GEMM_MIN_ROWS = 1 << 62
 from deepinfer.cli import main; main()" bench)
         model=/tmp/v41flash8L latency v41route_off_p$n --batch-size 1 --input-len $n --output-len 2 --max-num-batched-tokens 8192
+        bench=("${bench_saved[@]}")
+    done
+fi
+if has v41prefillab; then  # V4.1 long prefills with the humming route and with it off (load() patched: Triton's kernels,
+    # and DeepGEMM's grouped route from 64 rows per expert where .kernels came along), V41_PREFILL_LENS
+    python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
+    for n in ${V41_PREFILL_LENS:-8192}; do
+        model=/tmp/v41flash8L latency v41prefill_humming_p$n --batch-size 1 --input-len $n --output-len 2 --max-num-batched-tokens 8192
+        bench_saved=("${bench[@]}")
+        bench=(python -c "import deepinfer_nvidia.moe_humming as h; h.load = lambda: (None, 'humming off for the A/B')
+from deepinfer.cli import main; main()" bench)
+        model=/tmp/v41flash8L latency v41prefill_off_p$n --batch-size 1 --input-len $n --output-len 2 --max-num-batched-tokens 8192
         bench=("${bench_saved[@]}")
     done
 fi
