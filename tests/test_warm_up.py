@@ -33,6 +33,13 @@ def test_decode_batch_sizes_are_the_graph_sizes_up_to_max_num_seqs():
     assert decode_batch_sizes(1) == [1]
 
 
+def test_context_buckets_reach_twice_the_longest_prefill_chunk_within_max_model_len():
+    assert warm_up_module.context_buckets(32768, 2048) == [512, 1024, 2048, 4096]
+    assert warm_up_module.context_buckets(1024, 8192) == [512, 1024]
+    assert warm_up_module.context_buckets(4096, 200) == []
+    assert warm_up_module.context_buckets(300, 2048) == []
+
+
 def test_random_prompts_avoid_special_and_image_tokens_and_differ():
     engine = type("Engine", (), {})()
     engine.model_config = type("Config", (), {"vocab_size": 12, "image_token_id": 11})()
@@ -44,12 +51,25 @@ def test_random_prompts_avoid_special_and_image_tokens_and_differ():
 
 
 def test_warm_up_runs_its_sweep_and_leaves_no_trace(monkeypatch):
-    """Every prompt length and decode batch size is run (with drafts: the speculative steps too); afterwards the
-    counters a client reads are zero, nothing is left running, and outputs equal a fresh engine's."""
+    """Every prompt length and decode batch size is run, in every context bucket (with drafts: the speculative
+    steps too); afterwards the counters a client reads are zero, nothing is left running, and outputs equal a fresh
+    engine's."""
     pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
     from deepinfer import SamplingParams
 
+    from deepinfer.runner import cuda_graphs
+
     monkeypatch.setattr(warm_up_module, "PREFILL_TOKENS", (5, 70, 300))
+    monkeypatch.setattr(warm_up_module, "context_buckets", lambda *limits: [512])  # one more bucket, on a CPU
+    shapes = set()  # (padded rows, context bucket) of every padded decode step
+    real_shape = cuda_graphs.DecodeGraphs._shape
+
+    def shape(graphs, scheduled, tail=None):
+        padded = real_shape(graphs, scheduled, tail)
+        shapes.add((padded.num_tokens, padded.blocks * graphs.builder.layout.block_size))
+        return padded
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_shape", shape)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     llm = _embedded(enable_mtp_varlen=True)
     assert llm.engine.overlap is not None
@@ -63,10 +83,16 @@ def test_warm_up_runs_its_sweep_and_leaves_no_trace(monkeypatch):
         or real_generate(prompts, p, use_tqdm=use_tqdm))
     done = warm_up(llm)
     assert done["prefill_tokens"] == [5, 70, 300] and done["decode_batch_sizes"] == [1, 2, 3]
-    # the decode sweep once for each length the measured policy chooses from, the policy held to it
+    assert done["context_buckets"] == [256, 512]
+    # the decode sweep once for each length the measured policy chooses from, the policy held to it, in each
+    # context bucket: the larger one's batches share a prompt of half the bucket, run alone first
     decode = [[5], [5, 5], [5, 5, 5]]
+    longer = [[256], [256], [256, 256], [256, 256, 256]]
     assert batches == ([([5], choices), ([70], choices), ([300], choices)]
-                       + [(b, (0,)) for b in decode] + [(b, (speculator.max_drafts,)) for b in decode])
+                       + [(b, (0,)) for b in decode + longer]
+                       + [(b, (speculator.max_drafts,)) for b in decode + longer])
+    rows = (1, 1 + speculator.max_drafts)  # plain steps' rows a request, verification steps'
+    assert {(n * q, c) for n in (1, 2, 3) for q in rows for c in (256, 512)} <= shapes
     assert speculator.policy_choices == choices
     booked = {k for (_, k) in speculator.policy.costs}
     assert booked == set(choices)

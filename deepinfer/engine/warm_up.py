@@ -7,9 +7,13 @@ a timed `bench serve` run after a client-side warm-up, TTFT 2.5 s). So the serve
 ready: one prompt of each length in ``PREFILL_TOKENS`` (every few-rows GEMM tile and MoE block table bucket, the
 autotuned FP8 GEMM's range, the cuBLAS route, the tiled mHC, the torch block table), then a batch of ``DECODE_STEPS``
 decode steps at every CUDA-graph batch size up to ``max_num_seqs`` (with the measured draft policy, once for each
-draft length it chooses from: each has its own graphs). The prompts are random token ids, distinct so no
-prefix-cache hit shortens them; the counters a client reads (tokens, requests, step times, drafts) are reset
-afterwards, the process's builds and captures are not (they are what the warm-up is for).
+draft length it chooses from: each has its own graphs). A decode graph is also fixed to a context bucket (a power of
+two from ``cuda_graphs.MIN_CONTEXT``), so the sweep is run again, a few steps long, in each bucket up to twice the
+longest prefill chunk (``context_buckets``): past it a request's prefill already takes several steps, and a capture
+costs less than the prefill before it. Those batches share one prompt of half the bucket, run once first so that
+its blocks are in the prefix cache and the batch prefills only its last token. The prefill sweep's prompts are
+random token ids, distinct so no prefix-cache hit shortens them; the counters a client reads (tokens, requests, step
+times, drafts) are reset afterwards, the process's builds and captures are not (they are what the warm-up is for).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ logger = init_logger(__name__)
 PREFILL_TOKENS = (5, 12, 24, 48, 64, 100, 150, 300, 600)
 DECODE_PROMPT_TOKENS = 5
 DECODE_STEPS = 16  # enough for the measured draft policy's warm-up (two booked runs of a length, from their third step)
+CONTEXT_STEPS = 3  # decode steps in each larger context bucket: the first captures its graph
 
 
 def warm_up(llm) -> dict:
@@ -44,17 +49,40 @@ def warm_up(llm) -> dict:
         llm.generate([ids.prompt(n)], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     sizes = decode_batch_sizes(engine.config.max_num_seqs)
     steps = min(DECODE_STEPS, engine.max_model_len - DECODE_PROMPT_TOKENS - 1)
+    buckets = context_buckets(engine.max_model_len, engine.config.max_num_batched_tokens)
+    if buckets and not engine.config.enable_prefix_caching:  # each request would prefill the shared prompt anew
+        logger.info("warm-up: prefix caching is off, so decode graphs past %d tokens of context are captured when "
+                    "first met", cuda_graphs.MIN_CONTEXT)
+        buckets = []
     for choices in _decode_sweeps(engine.speculator):
         with _policy_held(engine.speculator, choices):
             for size in sizes:
                 llm.generate([ids.prompt(DECODE_PROMPT_TOKENS) for _ in range(size)],
                              SamplingParams(max_tokens=steps, ignore_eos=True), use_tqdm=False)
+            for bucket in buckets:
+                shared = ids.prompt(bucket // 2)
+                llm.generate([shared], SamplingParams(max_tokens=1), use_tqdm=False)  # its blocks: the prefix cache
+                for size in sizes:
+                    llm.generate([shared] * size, SamplingParams(max_tokens=CONTEXT_STEPS, ignore_eos=True),
+                                 use_tqdm=False)
     engine.reset_counters()
-    done = {"prefill_tokens": lengths, "decode_batch_sizes": sizes, "seconds": round(time.perf_counter() - started, 2),
+    done = {"prefill_tokens": lengths, "decode_batch_sizes": sizes, "context_buckets": [cuda_graphs.MIN_CONTEXT]
+            + buckets, "seconds": round(time.perf_counter() - started, 2),
             "kernels_built": kernel_compiles.count() - built, "graphs_captured": cuda_graphs.captures - captured}
-    logger.info("warm-up: prompts of %s tokens, decode batches of %s, in %.1f s (%d Triton kernels built, %d CUDA "
-                "graphs captured)", lengths, sizes, done["seconds"], done["kernels_built"], done["graphs_captured"])
+    logger.info("warm-up: prompts of %s tokens, decode batches of %s in contexts of %s tokens, in %.1f s (%d Triton "
+                "kernels built, %d CUDA graphs captured)", lengths, sizes, done["context_buckets"], done["seconds"],
+                done["kernels_built"], done["graphs_captured"])
     return done
+
+
+def context_buckets(max_model_len: int, max_num_batched_tokens: int) -> list[int]:
+    """The decode graphs' context buckets past the first that the warm-up runs: each up to ``max_model_len`` and
+    twice the longest prefill chunk (a bucket's shared prompt, half of it, is then one chunk)."""
+    buckets, bucket = [], 2 * cuda_graphs.MIN_CONTEXT
+    while bucket <= min(max_model_len, 2 * max_num_batched_tokens):
+        buckets.append(bucket)
+        bucket *= 2
+    return buckets
 
 
 def warm_up_server(llm, wanted: bool | None) -> None:
