@@ -9,6 +9,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main
+from deepinfer.plugins.manager import registered
 from deepinfer.testing.flash_fixtures import FIXTURES, write_fixture
 
 # flash4L's layer pattern and vocabulary at a size a CPU test can hold
@@ -97,10 +98,11 @@ def test_expert_dtype_must_be_a_known_format(tmp_path):
         LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
 
 
-@pytest.mark.parametrize("name", ["v41flash8L", "v41flash"])
+@pytest.mark.parametrize("name", ["v41flash8L", "v41flash", "v41flash6Ldspark"])
 def test_v41_fixtures_load_dummy_released_formats(tmp_path, name):
     """The V4.1-Flash-shaped fixtures, their widths shrunk and their layer schedules kept (``v41flash``: the
-    release's 40 layers, the full-scale run)."""
+    release's 40 layers, the full-scale run; ``v41flash6Ldspark``: the H100's speculative fixture, its draft stages
+    reading its last three layers)."""
     shrunk = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_attention_heads=4, head_dim=64,
                   qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32, o_groups=2, index_n_heads=4,
                   index_head_dim=32, index_topk=8, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=97,
@@ -108,14 +110,24 @@ def test_v41_fixtures_load_dummy_released_formats(tmp_path, name):
     if name == "v41flash":
         shrunk |= {"candidate_topk_blocks": 4, "candidate_block_size": 2}
     model_dir = write_fixture(name, tmp_path / name, **shrunk)
-    llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
+    if "dspark" in name:  # with its draft stages: speculative decoding on
+        mtp = pytest.importorskip("deepinfer_mtp.plugin", reason="features/mtp is not installed (build.sh installs it)")
+        with registered(mtp, "mtp"):
+            llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu", enable_mtp_varlen=True,
+                      synthetic_acceptance_length=2.8)
+        assert llm.engine.speculator is not None
+    else:
+        llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", device="cpu")
     model = llm.engine.model
-    assert llm.engine.model_config.compress_ratios == FIXTURES[name]["compress_ratios"]
-    assert len(model.layers) == FIXTURES[name]["num_hidden_layers"]
+    layers = FIXTURES[name]["num_hidden_layers"]  # the draft stages' ratios follow the target's
+    assert llm.engine.model_config.compress_ratios == FIXTURES[name]["compress_ratios"][:layers]
+    assert len(model.layers) == layers
     assert model.layers[3].ffn.experts.w1.weight.dtype == torch.int8  # MXFP4, as released
     assert model.layers[3].attn.wq_b.weight.dtype == torch.float8_e4m3fn
-    outputs = llm.generate([list(range(3, 300))], use_tqdm=False)
+    outputs = llm.generate([list(range(3, 300))], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) > 0
+    if "dspark" in name:
+        assert llm.engine.counters()["num_drafts"] > 0
 
 
 def test_step_metrics_account_for_every_step(tiny_v4_checkpoint):
