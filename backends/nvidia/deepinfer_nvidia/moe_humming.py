@@ -15,9 +15,10 @@ GEMMs because they are two tensors.
 Routing. Humming's indexed GEMM takes vLLM's ``moe_align_block_size`` tables: the flat (token, slot) ids sorted by
 expert, each expert's run padded to the block size with the sentinel ``tokens x top_k``, each block's expert, and
 the padded total. They come from ``moe_blocks``' block table and one more launch (nothing synchronises with the
-host: a CUDA graph can hold them). The tile
-configuration is humming's heuristic for the call's rows, fixed on the host from shapes alone, so that the table's
-block size is the one the kernel runs with.
+host: a CUDA graph can hold them). The tile configuration is humming's heuristic for the call's rows, fixed on the
+host from shapes alone, so that the table's block size is the one the kernel runs with. At some row counts that
+heuristic splits K across programs (stream-K), whose partial sums then land in a varying order: outputs there are
+not bit-repeatable (``DEEPINFER_BATCH_INVARIANT=1`` keeps the Triton kernels).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def serves(weights) -> str | None:
         return f"widths {hidden} and {inter} are not multiples of {N_MULTIPLE} (N) and {K_MULTIPLE} (K)"
     if any(t.shape[-1] * 2 != 32 * s.shape[-1] for t, s in ((w1, weights.w1_scale), (w2, weights.w2_scale))):
         return "scales are not one per 32 values"
+    stacks = (w1, weights.w3, w2, weights.w1_scale, weights.w3_scale, weights.w2_scale)
+    if not all(t.is_contiguous() for t in stacks):  # converted in place, as flat bytes
+        return "not contiguous"
     return None
 
 
@@ -100,9 +104,7 @@ class Projection:
                                locks=self.locks, top_k=top_k, compute_config=_COMPUTE, tuning_config=tuning)
 
 
-# Humming's heuristics split K across programs for some row counts (stream-K), whose partial sums then land in
-# a varying order: outputs are not bit-repeatable there
-STREAM_K = True
+STREAM_K = True  # humming's heuristics as they are (False: no stream-K split; timed by tools/gpu/gpu_mxfp4.py)
 _COMPUTE = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"})
 
 
