@@ -123,6 +123,23 @@ def test_chunked_prefill_preemption_and_prefix_caching_with_drafts(tiny_v4_check
     assert outputs[1].metrics.num_drafts == 0 and outputs[0].metrics.num_drafts > 0
 
 
+@pytest.mark.parametrize("with_drafts", [False, True])
+def test_a_request_that_ends_with_its_prefill_leaves_its_prompt_in_the_prefix_cache(tiny_v4_checkpoint, greedy_v4,
+                                                                                     with_drafts):
+    """One token asked for (the prefill's): the prompt's full blocks still go to the prefix cache, so the same
+    prompt again prefills only its last partial block, with the same output (with drafts too: steps that verify
+    book the requests they finish)."""
+    prompt = "# compute the sum of squares of a list of numbers\n" * 3
+    drafter = OracleDrafter(continuations(greedy_v4)) if with_drafts else None
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    first, llm = generate_with(tiny_v4_checkpoint, [prompt], one, drafter, block_size=16)
+    assert first[0].metrics.num_cached_tokens == 0
+    again = llm.generate([prompt], one, use_tqdm=False)
+    length = len(first[0].prompt_token_ids)
+    assert length > 32 and again[0].metrics.num_cached_tokens == (length - 1) // 16 * 16
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("asynchronous", ["1", "0"])
 def test_a_host_only_drafter_verifies_before_the_next_step_whatever_the_overlap_setting(
         tiny_v4_checkpoint, greedy_v4, monkeypatch, caplog, asynchronous):

@@ -85,9 +85,9 @@ def test_warm_up_runs_its_sweep_and_leaves_no_trace(monkeypatch):
     assert done["prefill_tokens"] == [5, 70, 300] and done["decode_batch_sizes"] == [1, 2, 3]
     assert done["context_buckets"] == [256, 512]
     # the decode sweep once for each length the measured policy chooses from, the policy held to it, in each
-    # context bucket: the larger one's batches share a prompt of half the bucket, run alone first
+    # context bucket: the larger one's batches share a prompt of half the bucket
     decode = [[5], [5, 5], [5, 5, 5]]
-    longer = [[256], [256], [256, 256], [256, 256, 256]]
+    longer = [[256], [256, 256], [256, 256, 256]]
     assert batches == ([([5], choices), ([70], choices), ([300], choices)]
                        + [(b, (0,)) for b in decode + longer]
                        + [(b, (speculator.max_drafts,)) for b in decode + longer])

@@ -143,15 +143,18 @@ class Scheduler:
         """Books a step: each request still running has computed its rows from where it was booked, except the
         rows of drafts it rejected (``accepted``: how many drafts each request with drafts in the step kept).
         Full blocks go to the prefix cache, blocks no longer read are released; then ``finished`` (the requests
-        the step finished) leave. Returns what was booked, by the step's rows (what a drafter keeps). A row's
-        own ``start`` is not used: a step scheduled ahead starts where the step before it ends, known only once
-        that one is booked."""
+        the step finished) leave, their full blocks offered too (a request that ends with its prefill leaves its
+        prompt to the next one). Returns what was booked for the requests that go on, by the step's rows (what a
+        drafter keeps). A row's own ``start`` is not used: a step scheduled ahead starts where the step before it
+        ends, known only once that one is booked."""
         done, booked, first = {id(r) for r in finished}, [], 0
         for row in batch:
             request = row.request
-            if not (request.finished or id(request) in done):
-                count = row.count - row.drafts + accepted[request] if row.drafts else row.count
-                booked.append(ComputedRows(request, first, request.num_computed, count))
+            ends_here = id(request) in done
+            if ends_here or not request.finished:  # not one found finished before this step
+                count = row.count - row.drafts + accepted.get(request, 0) if row.drafts else row.count
+                if not ends_here:
+                    booked.append(ComputedRows(request, first, request.num_computed, count))
                 self._book(request, request.num_computed, count)
             first += row.count
         for request in finished:

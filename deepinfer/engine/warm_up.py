@@ -10,8 +10,8 @@ decode steps at every CUDA-graph batch size up to ``max_num_seqs`` (with the mea
 draft length it chooses from: each has its own graphs). A decode graph is also fixed to a context bucket (a power of
 two from ``cuda_graphs.MIN_CONTEXT``), so the sweep is run again, a few steps long, in each bucket up to twice the
 longest prefill chunk (``context_buckets``): past it a request's prefill already takes several steps, and a capture
-costs less than the prefill before it. Those batches share one prompt of half the bucket, run once first so that
-its blocks are in the prefix cache and the batch prefills only its last token. The prefill sweep's prompts are
+costs less than the prefill before it. Those batches share one prompt of half the bucket: the first batch (one
+request) prefills it, the larger ones read it from the prefix cache. The prefill sweep's prompts are
 random token ids, distinct so no prefix-cache hit shortens them; the counters a client reads (tokens, requests, step
 times, drafts) are reset afterwards, the process's builds and captures are not (they are what the warm-up is for).
 """
@@ -60,8 +60,7 @@ def warm_up(llm) -> dict:
                 llm.generate([ids.prompt(DECODE_PROMPT_TOKENS) for _ in range(size)],
                              SamplingParams(max_tokens=steps, ignore_eos=True), use_tqdm=False)
             for bucket in buckets:
-                shared = ids.prompt(bucket // 2)
-                llm.generate([shared], SamplingParams(max_tokens=1), use_tqdm=False)  # its blocks: the prefix cache
+                shared = ids.prompt(bucket // 2)  # prefilled by the first batch (one request), then cached
                 for size in sizes:
                     llm.generate([shared] * size, SamplingParams(max_tokens=CONTEXT_STEPS, ignore_eos=True),
                                  use_tqdm=False)
