@@ -40,6 +40,25 @@ def test_fp4_roundtrip_error_is_bounded_by_the_grid():
     assert torch.all((back - w).abs() <= step + 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantization_is_every_code_times_its_own_scale(dtype):
+    """Each stored value times the scale of its tile (expanded element by element here), bit for bit: every byte
+    of packed MXFP4 (both zeros' signs), and FP8 with whole and partial edge tiles."""
+    g = torch.Generator().manual_seed(2)
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).view(4, 64)
+    scale = torch.randint(100, 150, (4, 4), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    lut = torch.tensor(E2M1_VALUES)
+    codes = packed.view(torch.uint8).long()
+    values = torch.stack((lut[codes & 0xF], lut[codes >> 4]), -1).view(4, 128)
+    expected = (values * scale.float().repeat_interleave(32, 1)).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(dequantize(packed, scale, dtype).view(bits), expected.view(bits))
+    for shape, block in (((256, 384), (128, 128)), ((200, 130), (128, 128)), ((64, 96), (1, 32))):
+        q, s = quantize_fp8(torch.randn(*shape, generator=g), *block)
+        tile = s.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: shape[0], : shape[1]]
+        assert torch.equal(dequantize(q, s, dtype).view(bits), (q.float() * tile).to(dtype).view(bits))
+
+
 def test_block_size_is_inferred_from_the_scale_shape():
     assert infer_block(4096, 32) == 128 and infer_block(4096, 128) == 32 and infer_block(64, 64) == 1
     with pytest.raises(ValueError, match="cannot tile"):

@@ -69,7 +69,10 @@ def quantize_fp8(weight: torch.Tensor, block_rows: int, block_cols: int) -> tupl
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rows, cols = weight.shape
     block_rows, block_cols = infer_block(rows, scale.shape[0]), infer_block(cols, scale.shape[1])
-    return (weight.float() * _tile_scale(scale, rows, cols, block_rows, block_cols)).to(dtype)
+    if rows % block_rows or cols % block_cols:  # partial edge tiles: the scale expanded to every element
+        return (weight.float() * _tile_scale(scale, rows, cols, block_rows, block_cols)).to(dtype)
+    tiles = weight.float().view(rows // block_rows, block_rows, cols // block_cols, block_cols)
+    return (tiles * scale.float()[:, None, :, None]).view(rows, cols).to(dtype)
 
 
 def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
@@ -95,12 +98,20 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale.to(torch.float8_e8m0fnu)
 
 
+@functools.cache
+def _e2m1_pairs(device: torch.device) -> torch.Tensor:
+    """fp32 [256, 2]: the two values each packed byte holds, the low nibble's first (one lookup per byte)."""
+    values, byte = torch.tensor(E2M1_VALUES), torch.arange(256)
+    return torch.stack((values[byte & 0xF], values[byte >> 4]), dim=1).to(device)
+
+
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rows, half = packed.shape
-    raw = packed.view(torch.uint8).to(torch.int64)
-    lut = torch.tensor(E2M1_VALUES, device=packed.device)
-    values = torch.stack((lut[raw & 0xF], lut[raw >> 4]), dim=-1).view(rows, 2 * half)
-    return (values * scale.float().repeat_interleave(MX_BLOCK, 1)[:, : 2 * half]).to(dtype)
+    values = torch.nn.functional.embedding(packed.view(torch.uint8).int(), _e2m1_pairs(packed.device))
+    if (2 * half) % MX_BLOCK:  # a partial last block: its scale expanded to every value
+        return (values.view(rows, 2 * half) * scale.float().repeat_interleave(MX_BLOCK, 1)[:, : 2 * half]).to(dtype)
+    blocks = values.view(rows, 2 * half // MX_BLOCK, MX_BLOCK) * scale.float()[:, : 2 * half // MX_BLOCK, None]
+    return blocks.view(rows, 2 * half).to(dtype)
 
 
 def infer_block(size: int, num_blocks: int) -> int:
