@@ -3,6 +3,7 @@ offline LLM.generate at temperature 0, streams, continuous batching across reque
 
 import argparse
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -236,11 +237,26 @@ def test_unsupported_fields_are_refused_not_ignored(client):
     assert refused.value.body["param"] == "suffix" and "fill-in-the-middle" in refused.value.body["message"]
 
 
-def test_metrics(server):
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="import os", max_tokens=3, temperature=0)
     text = httpx.get(server[1] + "/metrics").text
     assert "# TYPE deepinfer_steps_total counter" in text and "deepinfer_running 0" in text
     assert "deepinfer_cuda_graph_captures_total 0" in text  # no CUDA graphs on a CPU
     assert "# TYPE deepinfer_kernel_compiles_total counter" in text
+    finished = int(float(_sample(text, "deepinfer_finished_requests_total")))
+    for histogram in ("time_to_first_token_seconds", "request_time_per_output_token_seconds",
+                      "e2e_request_latency_seconds"):
+        metric = f"deepinfer_{histogram}"
+        assert f"# TYPE {metric} histogram" in text
+        buckets = [int(n) for n in re.findall(rf'^{metric}_bucket{{le="[^"]+"}} (\d+)$', text, re.M)]
+        count = int(_sample(text, f"{metric}_count"))
+        assert buckets == sorted(buckets) and buckets[-1] == count >= 1 and float(_sample(text, f"{metric}_sum")) > 0
+        # time per output token: the finished requests of two tokens or more (this one's three among them)
+        assert count == finished if "per_output_token" not in histogram else count <= finished
+
+
+def _sample(text: str, metric: str) -> str:
+    return re.search(rf"^{metric} (\S+)$", text, re.M).group(1)
 
 
 def test_api_key_and_queue_bound():

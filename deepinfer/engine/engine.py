@@ -19,6 +19,7 @@ from deepinfer.engine.image_inputs import prepare_images
 from deepinfer.runtime.images import ImageSpan
 from deepinfer.runtime import kernel_compiles
 from deepinfer.runtime.request import Request
+from deepinfer.runtime.latency_histograms import RequestLatencies
 from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
 from deepinfer.engine.steps import StepContext
 from deepinfer.loading.tokenizer import load_tokenizer
@@ -103,11 +104,13 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_id, self.max_model_len)
         self.step_metrics = StepMetrics()
         self.totals = EngineTotals()
+        self.latencies = RequestLatencies()  # finished requests' TTFT, TPOT and end-to-end time (/metrics)
         self._clock = StepClock(self.step_metrics, self.device)
         self.runner = ModelRunner(self.model, self.cache, self.batch_builder, self.sampler,
                                   self.model_config.vocab_size, self.device, self._clock, self.graphs, self.context,
                                   self.expert_parallel)
-        context = StepContext(self.scheduler, self.runner, self.outputs, self._clock, self.step_metrics, self.totals)
+        context = StepContext(self.scheduler, self.runner, self.outputs, self._clock, self.step_metrics, self.totals,
+                              self.latencies)
         self.async_scheduling = config.async_scheduling and self.speculator is None
         self.steps = setup.step_mode(context, self.speculator, config.async_scheduling, self.sampler)
         # the overlapped speculative steps, where they run (their launch counts are read by benches and tests)
@@ -204,6 +207,7 @@ class LLMEngine:
         """Zeroes what ``counters`` and ``step_metrics`` have counted of requests and steps (after a warm-up: its
         made-up requests are nobody's); the process's graph captures and kernel builds stay."""
         self.totals.reset()
+        self.latencies.reset()
         self.step_metrics.reset()
         self.scheduler.num_preemptions = 0
         if self.speculator is not None:
@@ -217,7 +221,8 @@ class LLMEngine:
                     "kernel_compiles": kernel_compiles.count(),  # Triton's, likewise (runtime/kernel_compiles.py)
                     "running": len(self.scheduler.running),
                     "waiting": len(self.scheduler.waiting),
-                    "cache_usage": {kind: round(used, 4) for kind, used in self.blocks.usage().items()}}
+                    "cache_usage": {kind: round(used, 4) for kind, used in self.blocks.usage().items()},
+                    "histograms": self.latencies.as_dict()}
         if self.encoder_cache is not None:
             counters |= {"encoder_cache_hits": self.encoder_cache.hits, "images_encoded": self.encoder_cache.misses}
         if self.speculator is not None:

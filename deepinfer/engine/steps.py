@@ -25,6 +25,7 @@ from deepinfer.engine.scheduler import Scheduler
 import torch
 
 from deepinfer.engine.speculation import Speculator, accepted_on_host, synthetic_key
+from deepinfer.runtime.latency_histograms import RequestLatencies
 from deepinfer.runtime.step_metrics import EngineTotals, StepClock, StepMetrics
 from deepinfer.plugins.interfaces import SamplerOutput
 
@@ -39,6 +40,7 @@ class StepContext:
     clock: StepClock
     metrics: StepMetrics
     totals: EngineTotals
+    latencies: RequestLatencies
 
     def schedule(self) -> ScheduledBatch:
         """The next step, its scheduling timed."""
@@ -60,6 +62,7 @@ class StepContext:
             self.totals.finished_requests += 1
             self.totals.generation_tokens += request.num_output_tokens
             self.totals.cached_prompt_tokens += request.metrics.num_cached_tokens
+            self.latencies.observe(request.metrics)
 
 
 class StepMode(Protocol):

@@ -218,12 +218,21 @@ def _sse(payload: dict) -> str:
 
 
 def _prometheus(counters: dict) -> str:
-    """The engine's counters in Prometheus' text format: totals as counters, the rest as gauges."""
+    """The engine's counters in Prometheus' text format: totals as counters, request latencies as histograms, the
+    rest as gauges."""
     totals = {"steps", "prompt_tokens", "cached_prompt_tokens", "generation_tokens", "finished_requests",
               "aborted_requests", "preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
               "cuda_graph_captures", "kernel_compiles"}
     lines = []
     for name, value in counters.items():
+        if name == "histograms":
+            for histogram, data in value.items():
+                metric = f"deepinfer_{histogram}"
+                lines.append(f"# TYPE {metric} histogram")
+                lines += [f'{metric}_bucket{{le="{"+Inf" if bound == float("inf") else bound}"}} {count}'
+                          for bound, count in zip(data["le"], data["counts"])]
+                lines += [f"{metric}_sum {data['sum']}", f"{metric}_count {data['count']}"]
+            continue
         if isinstance(value, dict):
             metric = f"deepinfer_{name}"
             lines += [f"# TYPE {metric} gauge"] + [f'{metric}{{kind="{k}"}} {v}' for k, v in value.items()]
