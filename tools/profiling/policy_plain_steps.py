@@ -5,7 +5,8 @@ with the measured policy forced to choose no drafts, forced to choose the longes
 (``--pattern``: e.g. 8 decisions of the longest, then 4 of none), and left to choose (``measured``); reports tok/s,
 the policy's booked step costs, and for the pattern and the policy's own choices every period (and the booked ones)
 by its step's place in its run, and the last run's time outside them, so a booked cost can be set against the
-steps' steady period and a run's transitions seen.
+steps' steady period and a run's transitions seen; and each mode's start (the prefill alone, and with the first
+decode step) beside decoding without drafts'.
 
     python tools/profiling/policy_plain_steps.py --batch-size 32 --output-len 128
 """
@@ -33,6 +34,21 @@ def _run(llm: LLM, prompts: list[str], params: SamplingParams, repeats: int) -> 
         llm.generate(prompts, params, use_tqdm=False)
         best = min(best, time.perf_counter() - started)
     return len(prompts) * params.max_tokens / best
+
+
+def _start_ms(llm: LLM, prompts: list[str], repeats: int) -> dict[str, float]:
+    """A run's start, best of ``repeats``: the prefill alone (one token asked for: with drafts, the drafter's store
+    of the prompt too) and the prefill with the first decode step (its first decision and launch)."""
+    start = {}
+    for tokens in (1, 2):
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - started)
+        start[f"{tokens}_token{'s' if tokens > 1 else ''}_ms"] = round(best * 1e3, 3)
+    return start
 
 
 def _forced(args, engine: dict, prompts, params, forced) -> dict:
@@ -82,11 +98,12 @@ def _forced(args, engine: dict, prompts, params, forced) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
         ended = time.perf_counter()
         last_run_ms, tail_ms = (ended - started) * 1e3, (ended - last[0]) * 1e3
+        start = _start_ms(llm, prompts, args.repeats)
     finally:
         draft_policy.choose, draft_policy.record_cost = real_choose, real_record
     result = {"tok_s": rate, "ms_a_token": round(len(prompts) / rate * 1e3, 3),  # a request's wait per token
               "booked_ms": {f"b{b}/k{k}": round(s * 1e3, 3) for (b, k), s in sorted(policy.costs.items())},
-              "launches": dict(overlap.launches)}
+              "launches": dict(overlap.launches), "start": start}
     if forced in ("pattern", "measured"):  # [periods, their median] by (length, the step's place in its run)
         result["booked_by_place_ms"] = _medians(booked)
         result["periods_by_place_ms"] = _medians(periods)
@@ -118,8 +135,10 @@ def main() -> None:
     prompts = [f"Item {i}: the story of" for i in range(args.batch_size)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     engine = {"dtype": args.dtype} | ({"cuda_graphs": args.cuda_graphs} if args.cuda_graphs else {})
-    plain = _run(LLM(args.model, **engine), prompts, params, args.repeats)
-    results = {"without_drafts": {"tok_s": plain, "ms_a_token": round(len(prompts) / plain * 1e3, 3)}}
+    without = LLM(args.model, **engine)
+    plain = _run(without, prompts, params, args.repeats)
+    results = {"without_drafts": {"tok_s": plain, "ms_a_token": round(len(prompts) / plain * 1e3, 3),
+                                  "start": _start_ms(without, prompts, args.repeats)}}
     for name, forced in [(m, FORCED[m]) for m in args.modes]:
         results[name] = _forced(args, engine, prompts, params, forced)
     print(json.dumps(results))
