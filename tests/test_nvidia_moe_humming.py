@@ -181,3 +181,25 @@ def _copy(weights):
     return ExpertWeights(*(t.clone() for t in (weights.w1, weights.w3, weights.w2)), weights.swiglu_limit,
                          *(t.clone() for t in (weights.w1_scale, weights.w3_scale, weights.w2_scale)),
                          weights.activation_block)
+
+
+@pytest.mark.parametrize("rows, cols, dtype", [(1, 256, torch.bfloat16), (37, 2304, torch.bfloat16),
+                                               (5, 96, torch.float32)])
+def test_swiglu_rounded_in_one_pass_is_swiglu_then_the_rounding(rows, cols, dtype):
+    """The down projection's input of the humming route and DeepGEMM's grouped one: SwiGLU's fp32 result rounded to
+    FP8 in 1 x 32 blocks in one launch, bit for bit the two launches it replaces (fp32 SwiGLU, then the rounding),
+    and the reference's rounding of the reference's SwiGLU up to the sigmoid's last bits."""
+    from deepinfer.runtime.ops import swiglu
+    from deepinfer.runtime.quantization import round_fp8
+    from deepinfer_nvidia import activation
+    from deepinfer_nvidia.fp8_rounding import fp8_rounded, swiglu_fp8_rounded
+
+    g = torch.Generator().manual_seed(rows)
+    gate, up = ((torch.randn(rows, cols, generator=g) * 4).to(DEVICE, dtype) for _ in range(2))
+    fused = swiglu_fp8_rounded(gate, up, 7.0, 32)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, cols)
+    assert torch.equal(fused, fp8_rounded(activation.swiglu(gate.float(), up.float(), 7.0), 32))
+    reference = round_fp8(swiglu(gate.float(), up.float(), 7.0), 32).to(torch.bfloat16)
+    assert (fused.float() - reference.float()).norm() <= 1e-2 * reference.float().norm()
+    with pytest.raises(ValueError, match="unit column strides"):
+        swiglu_fp8_rounded(gate.t(), up.t(), 7.0, 32)

@@ -29,11 +29,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1, x.shape[-1])
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """In ``gate``'s dtype, or ``out_dtype`` (fp32 where the result is rounded to FP8 next, as the reference does)."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {list(gate.shape)} and up {list(up.shape)} differ")
-    out = torch.empty(gate.shape, dtype=out_dtype or gate.dtype, device=gate.device)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel():
         gate, up = _rows(gate), _rows(up)
         width = gate.shape[1]

@@ -23,7 +23,7 @@ ATTENTION_POINTERS = {"q_ptr": "*bf16", "ia_ptr": "*i64", "ib_ptr": "*i64", "sin
 EXPERT_POINTERS = {"a_rows_ptr": "*i32", "out_ptr": "*fp32", "out_rows_ptr": "*i32", "block_expert_ptr": "*i32",
                    "block_start_ptr": "*i32", "block_rows_ptr": "*i32"}
 
-ROUNDING = {"ROWS": 1, "SEGMENTS": 32, "NATIVE_FP8": True, "ROUND_TRIP": False, "PAIRS_APART": False}
+ROUNDING = {"ROWS": 1, "SEGMENTS": 32, "NATIVE_FP8": True, "ROUND_TRIP": False, "PAIRS_APART": False, "SWIGLU": False}
 
 CASES = {
     "fp8 gemm": (fp8_linear._fp8_gemm_kernel, {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
@@ -57,6 +57,9 @@ CASES = {
     "activation fp8 round trip": (fp8_rounding._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*bf16",
                                                                  "s_ptr": "*bf16"},
                                   ROUNDING | {"BLOCK": 128, "ROUND_TRIP": True}),
+    "swiglu, fp8 round trip": (fp8_rounding._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*bf16", "s_ptr": "*bf16",
+                                                              "up_ptr": "*bf16"},
+                               ROUNDING | {"BLOCK": 32, "ROWS": 4, "SEGMENTS": 4, "ROUND_TRIP": True, "SWIGLU": True}),
     "activation quant, pairs apart": (fp8_rounding._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp16",
                                                                      "s_ptr": "*fp32"},
                                       ROUNDING | {"BLOCK": 32, "PAIRS_APART": True}),

@@ -48,13 +48,15 @@ def _e4m3_values(x, scale, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # counts of a step's rows: one binary for any
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_blocks, BLOCK: tl.constexpr,
-                      ROWS: tl.constexpr, SEGMENTS: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                      ROUND_TRIP: tl.constexpr = False, PAIRS_APART: tl.constexpr = False):
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_blocks, up_ptr, stride_up, limit,
+                      BLOCK: tl.constexpr, ROWS: tl.constexpr, SEGMENTS: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                      ROUND_TRIP: tl.constexpr = False, PAIRS_APART: tl.constexpr = False,
+                      SWIGLU: tl.constexpr = False):
     """ROWS rows x SEGMENTS segments of BLOCK columns per program, each segment scaled on its own. ROUND_TRIP:
     ``q`` gets the rounded values times their scales, in its own dtype (exact in bf16), and no scales.
     PAIRS_APART: each 32 columns of ``q`` hold their even columns, then their odd ones (what the MXFP4 experts'
-    MMAs read: a packed weight byte holds an even and an odd column's codes)."""
+    MMAs read: a packed weight byte holds an even and an odd column's codes). SWIGLU: ``x`` is the gate, and the
+    values rounded are ``swiglu(x, up)`` in fp32, as ``activation.swiglu`` computes them."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     segments = tl.program_id(1) * SEGMENTS + tl.arange(0, SEGMENTS)
     offs = segments[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [SEGMENTS, BLOCK] columns
@@ -62,6 +64,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_blocks,
     mask = rows_ok[:, None, None] & (offs < K)[None, :, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None, None] * stride_x + offs[None, :, :], mask=mask,
                 other=0.0).to(tl.float32)
+    if SWIGLU:
+        up = tl.load(up_ptr + rows.to(tl.int64)[:, None, None] * stride_up + offs[None, :, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        x = tl.minimum(x, limit)
+        x = x * tl.sigmoid(x) * tl.minimum(tl.maximum(up, -limit), limit)
     scale = _segment_scale(tl.max(tl.abs(x), axis=2))  # [ROWS, SEGMENTS]
     q = _e4m3_values(x, scale[:, :, None], NATIVE_FP8).to(tl.float8e4nv)
     if ROUND_TRIP:
@@ -86,7 +93,7 @@ def _native_fp8(device: torch.device) -> bool:
 
 
 def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tensor | None,
-               pairs_apart: bool = False) -> None:
+               pairs_apart: bool = False, up: torch.Tensor | None = None, limit: float = 0.0) -> None:
     rows, cols = x.shape
     num_blocks = triton.cdiv(cols, block)
     if not rows:
@@ -97,8 +104,9 @@ def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tenso
     grid = (triton.cdiv(rows, tile_rows), triton.cdiv(num_blocks, segments))
     # a round trip writes no scales: its s_ptr is never stored to
     _act_quant_kernel[grid](x, q, q if scales is None else scales, rows, cols, x.stride(0), q.stride(0), num_blocks,
+                            x if up is None else up, x.stride(0) if up is None else up.stride(0), float(limit),
                             BLOCK=block, ROWS=tile_rows, SEGMENTS=segments, NATIVE_FP8=_native_fp8(x.device),
-                            ROUND_TRIP=scales is None, PAIRS_APART=pairs_apart)
+                            ROUND_TRIP=scales is None, PAIRS_APART=pairs_apart, SWIGLU=up is not None)
 
 
 def act_quant(x: torch.Tensor, block: int, pairs_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,4 +126,15 @@ def fp8_rounded(x: torch.Tensor, block: int) -> torch.Tensor:
     one pass: what a bf16 GEMM reads where the reference rounds its input to FP8."""
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     _act_quant(x, block, out, None)
+    return out
+
+
+def swiglu_fp8_rounded(gate: torch.Tensor, up: torch.Tensor, limit: float, block: int) -> torch.Tensor:
+    """``fp8_rounded(swiglu(gate, up, limit))`` with SwiGLU's fp32 result rounded straight to FP8, in one pass: a
+    down projection's input where the reference rounds it (gate and up [M, K], rows of unit column stride)."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError(f"swiglu_fp8_rounded: gate {tuple(gate.shape)} and up {tuple(up.shape)} must be equal "
+                         "[rows, columns] with unit column strides")
+    out = torch.empty(gate.shape, dtype=torch.bfloat16, device=gate.device)
+    _act_quant(gate, block, out, None, up=up, limit=limit)
     return out

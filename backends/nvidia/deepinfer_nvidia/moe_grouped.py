@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import activation, moe_blocks, moe_mxfp4, moe_mxfp4_layout
-from deepinfer_nvidia.fp8_rounding import fp8_rounded
+from deepinfer_nvidia.fp8_rounding import fp8_rounded, swiglu_fp8_rounded
 
 # Rows per expert, on average over the layer's experts, from which the grouped GEMM serves a call: below, padding
 # each expert to the M alignment (and for MXFP4 dequantizing every expert) costs more than the Triton kernel loses.
@@ -144,10 +144,11 @@ def routed_experts(gemm, align: int, x, topk_ids, topk_weights, weights, chunk_e
         for w, scale, out in ((w1, weights.w1_scale, gate), (w3, weights.w3_scale, up)):
             b = _dequantized(w, scale, first, last, scratch) if fp4 else w
             gemm(stacked[lo:hi], b, out[lo:hi], layout[lo:hi])
-    h = activation.swiglu(gate, up, weights.swiglu_limit)
-    if fp4:
-        h = fp8_rounded(h, block)
+    if fp4:  # SwiGLU's fp32 result rounded straight to FP8, as the reference rounds it
+        h = swiglu_fp8_rounded(gate, up, weights.swiglu_limit, block)
         scratch = scratch.view(chunk, hidden, inter)  # w2's shape, the same bytes
+    else:
+        h = activation.swiglu(gate, up, weights.swiglu_limit)
     down = torch.empty(len(layout), hidden, dtype=torch.bfloat16, device=x.device)
     for first, last, lo, hi in chunks:
         b = _dequantized(w2, weights.w2_scale, first, last, scratch) if fp4 else w2

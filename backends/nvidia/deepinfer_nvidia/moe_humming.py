@@ -33,8 +33,8 @@ import triton.language as tl
 
 from deepinfer import envs
 from deepinfer.logger import init_logger
-from deepinfer_nvidia import activation, moe_blocks
-from deepinfer_nvidia.fp8_rounding import fp8_rounded
+from deepinfer_nvidia import moe_blocks
+from deepinfer_nvidia.fp8_rounding import fp8_rounded, swiglu_fp8_rounded
 from deepinfer_nvidia.moe_mxfp4_layout import LAYOUT_ATTRIBUTE
 
 logger = init_logger(__name__)
@@ -131,7 +131,8 @@ def convert(codes: torch.Tensor, scales: torch.Tensor) -> Projection:
         part = slice(first, min(first + CONVERT_EXPERTS, experts))
         layer = HummingLayer(shape_n=n, shape_k=2 * half_k, weight_config=Mxfp4WeightSchema(),
                              num_experts=part.stop - part.start, torch_dtype=torch.bfloat16).to(codes.device)
-        layer.load_from_tensors({"weight": codes[part].view(torch.uint8), "weight_scale": scales[part].view(torch.uint8)})
+        layer.load_from_tensors({"weight": codes[part].view(torch.uint8),
+                                 "weight_scale": scales[part].view(torch.uint8)})
         layer.transform()
         for ours, theirs in ((codes[part], layer.weight), (scales[part], layer.weight_scale)):
             if ours.nbytes != theirs.nbytes:  # a padded or widened layout: converting in place cannot hold it
@@ -200,7 +201,8 @@ def indexed_tables(topk_ids: torch.Tensor, experts: int, block: int):
     sorted_ids = torch.empty(num_blocks * block, dtype=torch.int32, device=topk_ids.device)
     padded = torch.empty((), dtype=torch.int32, device=topk_ids.device)
     _indexed_kernel[(num_blocks,)](order, rows, start, sorted_ids, padded, num_blocks, topk_ids.numel(), BLOCK=block,
-                                   SLOTS=triton.next_power_of_2(block), COUNT_CHUNK=min(1024, triton.next_power_of_2(num_blocks)))
+                                   SLOTS=triton.next_power_of_2(block),
+                                   COUNT_CHUNK=min(1024, triton.next_power_of_2(num_blocks)))
     return sorted_ids, expert, padded
 
 
@@ -222,6 +224,6 @@ def routed_experts(weights, x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     inter, hidden = weights.w1.shape[1], weights.w2.shape[1]
     gate = project(layer.gate, rows, inter, top_k)
     up = project(layer.up, rows, inter, top_k)
-    h = fp8_rounded(activation.swiglu(gate, up, weights.swiglu_limit, out_dtype=torch.float32), block)
+    h = swiglu_fp8_rounded(gate, up, weights.swiglu_limit, block)
     down = project(layer.down, h, hidden, 1)
     return moe_blocks.combine(down, topk_weights, x.dtype)
