@@ -152,7 +152,7 @@ class Scheduler:
             request = row.request
             ends_here = id(request) in done
             if ends_here or not request.finished:  # not one found finished before this step
-                count = row.count - row.drafts + accepted.get(request, 0) if row.drafts else row.count
+                count = row.count - row.drafts + accepted[request] if row.drafts else row.count
                 if not ends_here:
                     booked.append(ComputedRows(request, first, request.num_computed, count))
                 self._book(request, request.num_computed, count)

@@ -41,13 +41,8 @@ def _start_ms(llm: LLM, prompts: list[str], repeats: int) -> dict[str, float]:
     of the prompt too) and the prefill with the first decode step (its first decision and launch)."""
     start = {}
     for tokens in (1, 2):
-        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
-        best = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            best = min(best, time.perf_counter() - started)
-        start[f"{tokens}_token{'s' if tokens > 1 else ''}_ms"] = round(best * 1e3, 3)
+        rate = _run(llm, prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0), repeats)
+        start[f"{tokens}_token{'s' if tokens > 1 else ''}_ms"] = round(len(prompts) * tokens / rate * 1e3, 3)
     return start
 
 

@@ -208,7 +208,7 @@ def indexed_tables(topk_ids: torch.Tensor, experts: int, block: int):
 
 def routed_experts(weights, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     layer = prepare(weights)
-    tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     experts, assignments = weights.w1.shape[0], topk_ids.numel()
     block = weights.activation_block
     rows = fp8_rounded(x, block)
