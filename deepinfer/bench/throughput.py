@@ -17,6 +17,10 @@ import time
 
 import torch
 
+from deepinfer.logger import init_logger
+
+logger = init_logger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -35,6 +39,11 @@ def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # the next engine loads beside whatever is left: a reference kept to the last one shows here, not as an
+        # out-of-memory error in the next load (H100, 2026-12-06: one such error, cause not found)
+        left = torch.cuda.memory_allocated()
+        if left > 2**30:
+            logger.warning("%.2f GiB of device memory still allocated after releasing the previous engine", left / 2**30)
 
 
 def _device(args) -> str:

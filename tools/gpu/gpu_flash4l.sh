@@ -63,9 +63,18 @@ if has install; then
     # the plugins by their entry points
     if ! python3 -c "import deepinfer_nvidia" 2>/dev/null; then
         echo "build.sh did not install; installing the packages without their dependencies"
-        PIP_NO_INDEX=1 python3 -m pip install --quiet --no-deps --no-build-isolation -e . -e backends/nvidia \
-            $(for f in features/*/pyproject.toml; do printf -- "-e %s " "${f%/pyproject.toml}"; done) 2>&1 | tail -3
+        # (structured outputs only where xgrammar came along: a plugin that cannot load stops every command)
+        features=$(for f in features/*/pyproject.toml; do printf -- "-e %s " "${f%/pyproject.toml}"; done)
+        python3 -c "import xgrammar" 2>/dev/null || features="${features/-e features\/structured_outputs /}"
+        PIP_NO_INDEX=1 python3 -m pip install --quiet --no-deps --no-build-isolation -e . -e backends/nvidia $features 2>&1 | tail -3
     fi
+    if ! python3 -c "import xgrammar" 2>/dev/null; then  # an earlier call's plugin, on a warm box
+        python3 -m pip uninstall -y --quiet deepinfer-structured-outputs 2>/dev/null
+    fi
+    # DeepSeek's kernels on the path as build.sh's prebuilt:.kernels puts them (its step never runs when it stops early)
+    [[ -d .kernels ]] && (cd .kernels && pwd) \
+        > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/deepinfer_kernels.pth"
+    python3 -c 'from deepinfer_nvidia.deepseek_kernels import report; print("DeepSeek kernels:", report())' 2>&1 | tail -1
 fi
 # the plugins of a tree whose build.sh did not install them (structured outputs only where xgrammar came along)
 register_by_hand="from deepinfer.plugins.manager import pm; import deepinfer_nvidia.plugin as p, deepinfer_mtp.plugin as m
