@@ -134,6 +134,36 @@ def test_bench_speculative_reports_each_synthetic_length_on_dummy_weights(tmp_pa
     assert result["without_drafts"]["per_step_ms"]["draft"] == 0
 
 
+def test_bench_speculative_frees_each_engine_before_the_next_loads(monkeypatch):
+    """Each run's engine is garbage when the bench releases device memory (after the run returns): released from
+    inside the run, a run with drafts still held its engine and the next V4.1 engine ran out of memory beside it."""
+    import gc
+    import weakref
+
+    from deepinfer.bench import speculative, throughput
+    from deepinfer.cli import main
+
+    models, alive_at_release = [], []
+    build = throughput.build_llm
+
+    def recording_build(*args, **kwargs):
+        llm = build(*args, **kwargs)
+        models.append(weakref.ref(llm.engine.model))
+        return llm
+
+    def recording_release():
+        gc.collect()
+        alive_at_release.append(models[-1]() is not None)
+
+    monkeypatch.setattr(speculative, "build_llm", recording_build)
+    monkeypatch.setattr(throughput, "_release", recording_release)
+    monkeypatch.setattr(speculative, "_release", recording_release, raising=False)  # were it imported by name
+    with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
+        main(["bench", "speculative", "--model", "deepinfer-tiny-v4.1", "--batch-sizes", "1", "--output-len", "4",
+              "--load-format", "dummy", "--synthetic-acceptance-length", "2"])
+    assert alive_at_release == [False, False]  # without drafts, then with them
+
+
 def test_bench_speculative_runs_each_mode_asked_for_at_each_synthetic_length(tmp_path):
     """``--modes`` with synthetic acceptance: the measured policy runs beside fixed length at each L, reporting its
     choices of draft length, so its effect is measured on the weights a real drafter cannot reach (dummy ones)."""

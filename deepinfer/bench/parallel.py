@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from deepinfer.bench.throughput import _add_common, _release, build_llm, timed_generate
+from deepinfer.bench.throughput import _add_common, build_llm, releases_engine, timed_generate
 
 
 def _prompts(args, vocab: int) -> list[list[int]]:
@@ -42,6 +42,7 @@ def _configurations(args) -> dict[str, dict]:
     }
 
 
+@releases_engine
 def _run_one(args, prompts: list[list[int]], parallel: dict) -> dict:
     from deepinfer import SamplingParams
 
@@ -63,8 +64,6 @@ def _run_one(args, prompts: list[list[int]], parallel: dict) -> dict:
                 {"static": round(b.static, 4), "in_force": round(b.in_force, 4), "refitted": round(b.refitted, 4)}
                 for b in ep.balancedness]
     llm.close()
-    del llm, ep
-    _release()
     return result
 
 

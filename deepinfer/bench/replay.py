@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from deepinfer.bench.throughput import _add_common, _release, _synchronize, build_llm
+from deepinfer.bench.throughput import _add_common, _synchronize, build_llm, releases_engine
 
 def _prompts(args, tokenizer, vocab: int) -> list[list[int]]:
     if args.text_file:
@@ -30,6 +30,7 @@ def _prompts(args, tokenizer, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (args.batch_size, args.input_len), generator=g).tolist()
 
 
+@releases_engine
 def _run(args, mode: str, prompts: list[list[int]] | None) -> dict:
     from deepinfer import SamplingParams
 
@@ -57,8 +58,6 @@ def _run(args, mode: str, prompts: list[list[int]] | None) -> dict:
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     result = {"prefill_tokens_per_second": len(prompts) * args.input_len / elapsed, "last_logits": logits,
               "token_ids": [o.outputs[0].token_ids for o in outputs], "prompts": prompts}
-    del llm, model
-    _release()
     return result
 
 

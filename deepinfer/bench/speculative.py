@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from deepinfer.bench.throughput import _add_common, _release, _synchronize, build_llm
+from deepinfer.bench.throughput import _add_common, _synchronize, build_llm, releases_engine
 from deepinfer.engine.warm_up import warm_up_server
 from deepinfer.runner import cuda_graphs
 from deepinfer.runtime import kernel_compiles
@@ -72,6 +72,7 @@ def step_split(per_step_ms: dict[str, float]) -> dict[str, float]:
             "host": round(ms["schedule"] + ms["prepare"] + ms["outputs"], 3)}
 
 
+@releases_engine
 def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous: bool, policy: str,
          synthetic: float | None = None) -> dict:
     from deepinfer import SamplingParams
@@ -145,8 +146,6 @@ def _run(args, batch: int, prompts: list[str], varlen: bool | None, asynchronous
         result["policy_recent_ms"] = {f"b{bucket}/k{k}": [round(seconds * 1e3, 3) for seconds in recent]
                                       for (bucket, k), recent in sorted(policy_state.recent.items())}
         result["policy_acceptance"] = [round(a, 3) for a in policy_state.acceptance]
-    del llm
-    _release()
     return result
 
 

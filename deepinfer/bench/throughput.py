@@ -10,16 +10,20 @@ Every batch has fresh prompts, so no prefix-cache hit shortens a prefill. With `
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from deepinfer.logger import init_logger
 
 logger = init_logger(__name__)
+R = TypeVar("R")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -40,10 +44,28 @@ def _release() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         # the next engine loads beside whatever is left: a reference kept to the last one shows here, not as an
-        # out-of-memory error in the next load (H100, 2026-12-06: one such error, cause not found)
+        # out-of-memory error in the next load
         left = torch.cuda.memory_allocated()
         if left > 2**30:
             logger.warning("%.2f GiB of device memory still allocated after releasing the previous engine", left / 2**30)
+
+
+def releases_engine(run: Callable[..., R]) -> Callable[..., R]:
+    """``run`` (which builds an engine and returns plain results), then ``_release``: once ``run`` has returned,
+    not inside it, where its locals (step metrics, a speculator's stats) still reach the engine and a collection
+    frees nothing. What they reach can be garbage in a reference cycle that only a collection frees (a drafter and
+    its draft graphs, which hold its bound pass), so released from inside, a run with drafts kept its engine's
+    memory until some later collection: on the H100 (2026-12-06) the next V4.1 engine of a bench process ran out of
+    memory loading beside it."""
+
+    @functools.wraps(run)
+    def run_then_release(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _release()
+
+    return run_then_release
 
 
 def _device(args) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from deepinfer import LLM
 from deepinfer.bench.speculative import PROMPTS, seeded_greedy
-from deepinfer.bench.throughput import _release, _synchronize
+from deepinfer.bench.throughput import _synchronize, releases_engine
 
 
 def _graph_counts(engine) -> dict[str, int]:
@@ -34,6 +34,7 @@ def _table(prof, key: str, top: int, steps: int) -> list[tuple[str, float, int]]
     return [(e.key[:90], round(getattr(e, key) / 1e3 / steps, 3), e.count) for e in events if getattr(e, key) > 0]
 
 
+@releases_engine
 def profile(args, drafts: bool, enforce_eager: bool) -> dict:
     options = ({"enable_mtp_varlen": False, "synthetic_acceptance_length": args.synthetic_acceptance_length}
                if drafts else {})
@@ -63,8 +64,6 @@ def profile(args, drafts: bool, enforce_eager: bool) -> dict:
               "graphs_before": before, "graphs_after": _graph_counts(engine),
               "host_ops_ms_per_step": _table(prof, "self_cpu_time_total", args.top, steps),
               "kernels_ms_per_step": _table(prof, "self_device_time_total", args.top, steps)}
-    del llm, engine
-    _release()
     return result
 
 
