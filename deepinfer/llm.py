@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import pickle
 import time
 import weakref
 from collections.abc import Iterator, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from deepinfer.chat_encoding import IMAGE_PLACEHOLDER, encode_chat, split_content_images
@@ -33,7 +35,8 @@ class LLM:
 
     With ``data_parallel_size=N`` the job has N ranks (``deepinfer.parallel.ranks``): spawned from this process, or
     the processes ``torchrun`` started. Prompts are dealt to the ranks round-robin and every call returns all
-    outputs in input order (on every rank under torchrun). ``close()`` (or ``with LLM(...)``) ends the ranks.
+    outputs in input order (on every rank under torchrun). ``close()`` (or ``with LLM(...)``) ends the ranks and
+    frees the engine's memory.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
@@ -54,17 +57,30 @@ class LLM:
     def _init(self, config: EngineConfig, ranks: parallel.Ranks | None) -> None:
         self.ranks = ranks
         if ranks is None:
-            self.engine = LLMEngine(config)
+            self._engine = LLMEngine(config)
         else:  # every rank built its engine before the first call (a rank that failed to ends the job here)
-            self.engine = ranks.guarded(lambda: LLMEngine(config, ranks))
+            self._engine = ranks.guarded(lambda: LLMEngine(config, ranks))
             ranks.guarded(lambda: ranks.any(False))
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self._engine.tokenizer
         self._next_id = 0
 
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed (close() or the end of its with block): build a new LLM")
+        return self._engine
+
     def close(self) -> None:
-        """Ends a parallel job's ranks (nothing to do for one process)."""
+        """Ends a parallel job's ranks and frees the engine's memory, the device's included, now rather than at some
+        later garbage collection (a drafter's CUDA graphs keep it in a reference cycle); calls after it are errors."""
         if self.ranks is not None:
             self.ranks.close()
+        if self._engine is None:
+            return
+        self._engine = None
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> "LLM":
         return self

@@ -331,3 +331,17 @@ def test_the_step_mode_follows_the_configuration(tiny_v4_checkpoint, asynchronou
     llm = LLM(str(tiny_v4_checkpoint), dtype="float32", async_scheduling=asynchronous)
     assert type(llm.engine.steps) is DecodeSteps and llm.engine.steps.asynchronous is asynchronous
     assert llm.engine.overlap is None and not llm.engine.steps.in_flight
+
+
+def test_close_frees_the_engine_and_refuses_later_calls(tiny_v4_checkpoint):
+    """``close()`` (the end of a with block) drops the engine now, not at a later collection, and a call after it
+    is an error saying so rather than an AttributeError."""
+    import weakref
+
+    with LLM(str(tiny_v4_checkpoint), dtype="float32", device="cpu") as llm:
+        model = weakref.ref(llm.engine.model)
+        assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert model() is None
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()  # twice is harmless
