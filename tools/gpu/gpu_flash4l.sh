@@ -16,7 +16,7 @@
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at V41_BATCHES, 1 and 64; V41_TAG names the runs; BENCH_PRELUDE: Python run before a bench of a tree whose plugins are registered by hand),
 # policy (tools/profiling/policy_plain_steps.py: the measured policy's booked costs against steady periods, POLICY_BATCHES),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
-# SPEC_BATCHES, SPEC_TIMEOUT), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
+# SPEC_BATCHES, one bench process each, SPEC_TIMEOUT each; SPEC_MODEL a fixture, SPEC_LAYERS cuts it), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
 # replay: prefill off vs compact), v41route (V4.1 prefill with the FP8 projections' cuBLAS route and without, V41_PREFILL_LENS), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY, SERVE_ARGS (e.g. --no-engine-process), SERVE_TAG names its results; offline throughput beside it), SYNC_DEBUG=1 adds to structured and structuredprev the synchronizing calls by call site (tools/profiling/sync_sites.py); vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
@@ -302,12 +302,22 @@ if has invariant; then  # batch-invariant mode on flash4L: one output among rand
     done
 fi
 if has spec; then  # DSpark drafts on the embedded model, verification and draft passes from CUDA graphs
-    stamp "speculative"
-    # SPEC_ARGS: e.g. "--load-format dummy --synthetic-acceptance-length 1.5 2.8" with SPEC_MODEL=/tmp/v41flash8Ldspark (a fixture)
-    [[ ${SPEC_MODEL:-} == /tmp/* ]] && python -m deepinfer.testing.flash_fixtures "${SPEC_MODEL#/tmp/}" "$SPEC_MODEL" >/dev/null
-    timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes ${SPEC_BATCHES:-1 32} \
-        --output-len ${SPEC_OUTPUT_LEN:-128} ${SPEC_ARGS:-} --output-json "$out/speculative.json" 2>&1 | grep -E "Error|error|captured a DSpark" | head -8
-    python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], 'captures', v[m].get('graph_captures'), 'compiles', v[m].get('kernel_compiles'), v[m].get('policy_choices'), v[m].get('policy_costs_ms'), v[m].get('policy_recent_ms'), v[m].get('policy_acceptance'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]; [print(b, 'same tokens', v.get('same_tokens'), v.get('same_tokens_requests'), 'speedup', v.get('speedup')) for b, v in r.items() if b.startswith('batch')]" "$out/speculative.json"
+    # SPEC_ARGS: e.g. "--load-format dummy --synthetic-acceptance-length 1.5 2.8" with SPEC_MODEL=/tmp/v41flash6Ldspark
+    # (a fixture; SPEC_LAYERS=N cuts it to N layers, its draft stages reading the last three). One bench process per
+    # batch (SPEC_TIMEOUT each): a batch that runs out of time or memory keeps the others' results
+    if [[ ${SPEC_MODEL:-} == /tmp/* ]]; then
+        n=${SPEC_LAYERS:-0}
+        python -c "import sys; from deepinfer.testing.flash_fixtures import FIXTURES, write_fixture
+name, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3]); ratios = FIXTURES[name]['compress_ratios']
+cut = dict(num_hidden_layers=n, compress_ratios=ratios[:n] + [0, 0, 0], dspark_target_layer_ids=[n - 3, n - 2, n - 1]) if n else {}
+write_fixture(name, out, **cut)" "${SPEC_MODEL#/tmp/}" "$SPEC_MODEL" "$n"
+    fi
+    for b in ${SPEC_BATCHES:-1 32}; do
+        stamp "speculative b$b"
+        timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes $b \
+            --output-len ${SPEC_OUTPUT_LEN:-128} ${SPEC_ARGS:-} --output-json "$out/speculative_b$b.json" 2>&1 | grep -E "Error|error|captured a DSpark|still allocated" | head -8
+        [[ -f "$out/speculative_b$b.json" ]] && python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], 'captures', v[m].get('graph_captures'), 'compiles', v[m].get('kernel_compiles'), v[m].get('policy_choices'), v[m].get('policy_costs_ms'), v[m].get('policy_recent_ms'), v[m].get('policy_acceptance'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]; [print(b, 'same tokens', v.get('same_tokens'), v.get('same_tokens_requests'), 'speedup', v.get('speedup')) for b, v in r.items() if b.startswith('batch')]" "$out/speculative_b$b.json"
+    done
 fi
 if has policy; then  # the measured policy's booked costs against its steps' steady periods (POLICY_BATCHES; issue 42)
     for b in ${POLICY_BATCHES:-32 1}; do
