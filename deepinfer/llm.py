@@ -71,8 +71,9 @@ class LLM:
         return self._engine
 
     def close(self) -> None:
-        """Ends a parallel job's ranks and frees the engine's memory, the device's included, now rather than at some
-        later garbage collection (a drafter's CUDA graphs keep it in a reference cycle); calls after it are errors."""
+        """Ends a parallel job's ranks and frees the engine's memory, the device's included, now: while the LLM
+        itself lives on (a notebook's variable), and without waiting for a garbage collection to find any reference
+        cycle in the engine. Calls after it are errors."""
         if self.ranks is not None:
             self.ranks.close()
         if self._engine is None:

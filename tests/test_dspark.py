@@ -247,7 +247,7 @@ def test_the_draft_pass_replays_from_cuda_graphs_as_it_runs_eagerly():
     padded[2] = drafter.pool.empty
     padded[:, :batch] = inputs
     with torch.inference_mode():  # as the engine runs it: the pool and the graph's inputs are inference tensors
-        replayed = [t.clone() for t in drafter.graphs(inputs)]
+        replayed = [t.clone() for t in drafter.graphs(drafter._draft, inputs)]
         eager_tokens, eager_confidences = drafter._draft(padded.cuda())
     assert torch.equal(replayed[0], eager_tokens[:batch])
     assert torch.equal(replayed[1], eager_confidences[:batch])
@@ -271,3 +271,24 @@ def test_a_draft_pass_projects_its_block_once_while_it_is_small(embedded, batch)
     logits = torch.stack([projected(p) for p in range(block)], 1)
     assert calls == ([batch * block] if batch * block <= ONE_PROJECTION_MAX_ROWS else [batch] * block)
     torch.testing.assert_close(logits, heads.normalized @ head.T)
+
+
+def test_a_drafter_with_draft_graphs_is_freed_without_a_garbage_collection(switched_on, monkeypatch):
+    """The draft graphs take the drafter's pass with each call instead of keeping it: kept, the drafter and its
+    graphs formed a reference cycle, and on a GPU a released engine's memory waited for some later collection
+    (the next V4.1 engine of a bench process ran out of memory beside it)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no graph is captured here
+    llm = _embedded()
+    drafter = llm.engine.speculator.drafter
+    drafter.use_cuda_graphs([1, 2])
+    gone = weakref.ref(drafter)
+    gc.collect()
+    gc.disable()
+    try:
+        del drafter, llm
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -147,5 +147,5 @@ def test_the_mtp_chain_replays_from_cuda_graphs_as_it_runs_eagerly(mtp_checkpoin
     padded[2] = drafter.pool.empty
     padded[:, :2] = inputs
     with torch.inference_mode():  # as the engine runs it: the pool and the graph's inputs are inference tensors
-        replayed = drafter.graphs(inputs)[0].clone()
+        replayed = drafter.graphs(drafter._draft, inputs)[0].clone()
         assert torch.equal(replayed, drafter._draft(padded.cuda())[0][:2])

@@ -53,10 +53,10 @@ def _release() -> None:
 def releases_engine(run: Callable[..., R]) -> Callable[..., R]:
     """``run`` (which builds an engine and returns plain results), then ``_release``: once ``run`` has returned,
     not inside it, where its locals (step metrics, a speculator's stats) still reach the engine and a collection
-    frees nothing. What they reach can be garbage in a reference cycle that only a collection frees (a drafter and
-    its draft graphs, which hold its bound pass), so released from inside, a run with drafts kept its engine's
-    memory until some later collection: on the H100 (2026-12-06) the next V4.1 engine of a bench process ran out of
-    memory loading beside it."""
+    frees nothing. What they reach may sit in a reference cycle that only a collection frees (a drafter and its
+    draft graphs were one), and then released from inside, a run kept its engine's memory until some later
+    collection: on the H100 (2026-12-06) the next V4.1 engine of a bench process ran out of memory loading beside
+    it."""
 
     @functools.wraps(run)
     def run_then_release(*args, **kwargs):

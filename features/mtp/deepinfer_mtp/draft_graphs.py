@@ -26,17 +26,19 @@ class _Captured:
 class DraftGraphs:
     """A draft pass ``run(inputs [3, B]: anchor ids, positions, slots) -> tensors [B, ...]`` captured per padded
     batch size, the first time each comes up (after an eager run of the same inputs, which tunes the Triton
-    kernels outside the capture); padding rows use the pool's empty slot."""
+    kernels outside the capture); padding rows use the pool's empty slot. ``run`` comes with each call rather than
+    being kept: a drafter's bound pass kept here would make the drafter and its graphs a reference cycle, whose
+    device memory only a garbage collection frees."""
 
-    def __init__(self, run, sizes: list[int], empty_slot: int, device: torch.device):
-        self.run, self.sizes, self.empty_slot, self.device = run, sizes, empty_slot, device
+    def __init__(self, sizes: list[int], empty_slot: int, device: torch.device):
+        self.sizes, self.empty_slot, self.device = sizes, empty_slot, device
         self.graphs: dict[int, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
 
-    def __call__(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, run, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = inputs.shape[1]
         size = next(s for s in self.sizes if s >= batch)
         captured = self.graphs.get(size)
@@ -45,15 +47,15 @@ class DraftGraphs:
         padded[2] = self.empty_slot
         padded[:, :batch] = inputs
         if captured is None:
-            captured = self.graphs[size] = self._capture(padded)
+            captured = self.graphs[size] = self._capture(run, padded)
         else:
             captured.inputs.copy_(padded, non_blocking=True)
         captured.graph.replay()
         return tuple(t[:batch] for t in captured.outputs)
 
-    def _capture(self, host_inputs: torch.Tensor) -> _Captured:
+    def _capture(self, run, host_inputs: torch.Tensor) -> _Captured:
         start = time.perf_counter()
         inputs = host_inputs.to(self.device)
-        graph, outputs = capture_graph(lambda: self.run(inputs), self.pool, f"the draft pass (batch {inputs.shape[1]})")
+        graph, outputs = capture_graph(lambda: run(inputs), self.pool, f"the draft pass (batch {inputs.shape[1]})")
         logger.info("captured a draft CUDA graph: batch %d, in %.2f s", inputs.shape[1], time.perf_counter() - start)
         return _Captured(graph, inputs, outputs, host_inputs)

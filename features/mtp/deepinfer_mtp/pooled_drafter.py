@@ -24,7 +24,7 @@ class PooledDrafter:
 
     def use_cuda_graphs(self, batch_sizes: list[int]) -> None:
         """The engine replays its decode steps from CUDA graphs: replay the draft pass from graphs too."""
-        self.graphs = DraftGraphs(self._draft, batch_sizes, self.pool.empty, self.device)
+        self.graphs = DraftGraphs(batch_sizes, self.pool.empty, self.device)
 
     def propose(self, requests: list, computed: list[ComputedRows], features: torch.Tensor | None) -> list[Draft]:
         if computed:  # none after plain steps that stored their rows on the device (``store_on_device``)
@@ -36,7 +36,7 @@ class PooledDrafter:
                                [len(r.token_ids) - self.anchor_back for r in requests],
                                [self.pool.slot(r) for r in requests]], dtype=torch.int64)
         if self.graphs is not None and self.graphs.fits(len(requests)):
-            outputs = self.graphs(inputs)
+            outputs = self.graphs(self._draft, inputs)
         else:
             outputs = self._draft(inputs.to(self.device))
         return [Draft(*values) for values in zip(*(t.tolist() for t in outputs))]
