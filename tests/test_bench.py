@@ -140,3 +140,13 @@ def test_step_metrics_account_for_every_step(tiny_v4_checkpoint):
     assert metrics.steps >= 6  # a prefill step, then one decode step per further token
     assert all(per_step[phase] > 0 for phase in ("schedule", "prepare", "forward", "sample", "outputs"))
     assert per_step["device"] == 0  # no CUDA events on a CPU
+
+
+def test_dspark_fixtures_cut_to_fewer_layers_keep_their_stages_on_the_last_three():
+    from deepinfer.testing.flash_fixtures import dspark_layers
+
+    cut = dspark_layers(4)
+    assert cut["num_hidden_layers"] == 4 and cut["dspark_target_layer_ids"] == [1, 2, 3]
+    assert cut["compress_ratios"] == FIXTURES["v41flash8L"]["compress_ratios"][:4] + [0, 0, 0]
+    with pytest.raises(ValueError, match="3 to 8 target layers, got 2"):
+        dspark_layers(2)

@@ -147,6 +147,7 @@ def _timed(generate, prompts, output_len: int) -> tuple[float, int]:
 
 
 # -- throughput ------------------------------------------------------------------------------------------------
+@releases_engine
 def _throughput(args, prompts, engine: str) -> dict:
     generate = ENGINES[engine](args, args.num_prompts)
     generate(prompts[:1], 2)  # warm-up
@@ -167,7 +168,6 @@ def _run_throughput(args, vocab: int) -> dict:
     results = {}
     for engine in _engines(args):
         results[engine] = _throughput(args, prompts, engine)
-        _release()
     if args.compare_hf:
         results["ratio_output_tokens_per_second"] = (results["deepinfer"]["output_tokens_per_second"]
                                                      / results["hf_transformers"]["output_tokens_per_second"])
@@ -175,6 +175,7 @@ def _run_throughput(args, vocab: int) -> dict:
 
 
 # -- latency ---------------------------------------------------------------------------------------------------
+@releases_engine
 def _latency(args, vocab: int, engine: str) -> dict:
     generate = ENGINES[engine](args, args.batch_size)
 
@@ -208,7 +209,6 @@ def _run_latency(args, vocab: int) -> dict:
     results = {}
     for engine in _engines(args):
         results[engine] = _latency(args, vocab, engine)
-        _release()
     if args.compare_hf:
         results["ratio_avg_latency"] = results["hf_transformers"]["avg_latency"] / results["deepinfer"]["avg_latency"]
     return results

@@ -112,14 +112,20 @@ V41_FLASH_8L_DSPARK = {
     "dspark_target_layer_ids": [5, 6, 7],
 }
 
-# the same with six target layers, 14.8 GB of weights fewer: it loads on an 80 GB H100, where the eight-layer one ran
-# out of memory (77.7 GiB in use)
-V41_FLASH_6L_DSPARK = {
-    **V41_FLASH_8L_DSPARK,
-    "num_hidden_layers": 6,
-    "compress_ratios": V41_FLASH_8L["compress_ratios"][:6] + [0, 0, 0],
-    "dspark_target_layer_ids": [3, 4, 5],
-}
+
+
+def dspark_layers(layers: int) -> dict:
+    """Overrides that cut ``v41flash8Ldspark`` to its first ``layers`` target layers, the draft stages reading the
+    last three (as the release's read its last layers)."""
+    if not 3 <= layers <= V41_FLASH_8L["num_hidden_layers"]:
+        raise ValueError(f"a DSpark fixture keeps 3 to {V41_FLASH_8L['num_hidden_layers']} target layers, got {layers}")
+    return {"num_hidden_layers": layers, "compress_ratios": V41_FLASH_8L["compress_ratios"][:layers] + [0, 0, 0],
+            "dspark_target_layer_ids": [layers - 3, layers - 2, layers - 1]}
+
+
+# the same with six target layers, 14.8 GB of weights fewer, for an 80 GB H100, where the eight-layer one ran out of
+# memory (77.7 GiB in use)
+V41_FLASH_6L_DSPARK = {**V41_FLASH_8L_DSPARK, **dspark_layers(6)}
 
 FIXTURES = {"flash4L": FLASH4L, "flash4Lfp8": FLASH4L_FP8, "v41flash8L": V41_FLASH_8L, "v41flash": V41_FLASH,
             "v41flash8Ldspark": V41_FLASH_8L_DSPARK, "v41flash6Ldspark": V41_FLASH_6L_DSPARK,
@@ -152,5 +158,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=sorted(FIXTURES))
     parser.add_argument("out_dir")
+    parser.add_argument("--dspark-layers", type=int, metavar="N",
+                        help="a DSpark fixture cut to N target layers (dspark_layers)")
     args = parser.parse_args()
-    print(write_fixture(args.name, args.out_dir))
+    if args.dspark_layers and "dspark" not in args.name:
+        parser.error(f"--dspark-layers applies to the DSpark fixtures, not {args.name}")
+    print(write_fixture(args.name, args.out_dir, **(dspark_layers(args.dspark_layers) if args.dspark_layers else {})))

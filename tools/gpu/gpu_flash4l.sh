@@ -305,13 +305,8 @@ if has spec; then  # DSpark drafts on the embedded model, verification and draft
     # SPEC_ARGS: e.g. "--load-format dummy --synthetic-acceptance-length 1.5 2.8" with SPEC_MODEL=/tmp/v41flash6Ldspark
     # (a fixture; SPEC_LAYERS=N cuts it to N layers, its draft stages reading the last three). One bench process per
     # batch (SPEC_TIMEOUT each): a batch that runs out of time or memory keeps the others' results
-    if [[ ${SPEC_MODEL:-} == /tmp/* ]]; then
-        n=${SPEC_LAYERS:-0}
-        python -c "import sys; from deepinfer.testing.flash_fixtures import FIXTURES, write_fixture
-name, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3]); ratios = FIXTURES[name]['compress_ratios']
-cut = dict(num_hidden_layers=n, compress_ratios=ratios[:n] + [0, 0, 0], dspark_target_layer_ids=[n - 3, n - 2, n - 1]) if n else {}
-write_fixture(name, out, **cut)" "${SPEC_MODEL#/tmp/}" "$SPEC_MODEL" "$n"
-    fi
+    [[ ${SPEC_MODEL:-} == /tmp/* ]] && python -m deepinfer.testing.flash_fixtures "${SPEC_MODEL#/tmp/}" "$SPEC_MODEL" \
+        ${SPEC_LAYERS:+--dspark-layers $SPEC_LAYERS} >/dev/null
     for b in ${SPEC_BATCHES:-1 32}; do
         stamp "speculative b$b"
         timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes $b \
