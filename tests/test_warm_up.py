@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer.engine import warm_up as warm_up_module
+from deepinfer.engine.draft_policy import DraftPolicy
 from deepinfer.engine.warm_up import _RandomPrompts, decode_batch_sizes, warm_up, warm_up_server
 
 MODEL = "deepinfer-tiny-v4.1"
@@ -96,6 +97,9 @@ def test_warm_up_runs_its_sweep_and_leaves_no_trace(monkeypatch):
     assert speculator.policy_choices == choices
     booked = {k for (_, k) in speculator.policy.costs}
     assert booked == set(choices)
+    # the costs stay, the made-up text's acceptance does not: the policy starts the first run from its prior
+    prior = DraftPolicy(speculator.max_drafts)
+    assert (speculator.policy.offered, speculator.policy.emitted) == (prior.offered, prior.emitted)
     counters = llm.engine.counters()
     assert counters["steps"] == counters["prompt_tokens"] == counters["finished_requests"] == 0
     assert counters["num_drafts"] == 0 and counters["running"] == counters["waiting"] == 0

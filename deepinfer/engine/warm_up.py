@@ -14,6 +14,10 @@ costs less than the prefill before it. Those batches share one prompt of half th
 request) prefills it, the larger ones read it from the prefix cache. The prefill sweep's prompts are
 random token ids, distinct so no prefix-cache hit shortens them; the counters a client reads (tokens, requests, step
 times, drafts) are reset afterwards, the process's builds and captures are not (they are what the warm-up is for).
+The measured policy keeps the step costs the sweep booked but not its acceptance: random text accepts little, and
+requests of ``CONTEXT_STEPS`` tokens cut most drafts, so the shares it booked (0.60 / 0.16 / 0.06 / 0.03 / 0.01 by
+position where the run after it accepted 0.63 / 0.36 / 0.26 / 0.18 / 0.14: H100, V4.1-Flash shapes, synthetic
+L = 2.8, 2026-12-06) kept the policy on plain steps for the hundreds of decisions until its next probe.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def warm_up(llm) -> dict:
         logger.info("warm-up: prefix caching is off, so decode graphs past %d tokens of context are captured when "
                     "first met", cuda_graphs.MIN_CONTEXT)
         buckets = []
+    kept_acceptance = _acceptance_of(engine.speculator)
     for choices in _decode_sweeps(engine.speculator):
         with _policy_held(engine.speculator, choices):
             for size in sizes:
@@ -64,6 +69,8 @@ def warm_up(llm) -> dict:
                 for size in sizes:
                     llm.generate([shared] * size, SamplingParams(max_tokens=CONTEXT_STEPS, ignore_eos=True),
                                  use_tqdm=False)
+    if kept_acceptance is not None:
+        engine.speculator.policy.offered, engine.speculator.policy.emitted = kept_acceptance
     engine.reset_counters()
     done = {"prefill_tokens": lengths, "decode_batch_sizes": sizes, "context_buckets": [cuda_graphs.MIN_CONTEXT]
             + buckets, "seconds": round(time.perf_counter() - started, 2),
@@ -101,6 +108,12 @@ def _decode_sweeps(speculator) -> list[tuple[int, ...] | None]:
     if speculator is None or speculator.policy is None:
         return [None]
     return [(k,) for k in speculator.policy_choices]
+
+
+def _acceptance_of(speculator) -> tuple[list[float], list[float]] | None:
+    """A copy of the measured policy's acceptance counts (None without one), for the warm-up to put back."""
+    policy = speculator.policy if speculator is not None else None
+    return None if policy is None else (list(policy.offered), list(policy.emitted))
 
 
 @contextmanager
