@@ -30,8 +30,8 @@ def _no_varlen_from_the_environment(monkeypatch):
 
 def _dspark(**engine_args) -> LLM:
     with registered(importlib.import_module("deepinfer_mtp.plugin"), "mtp"):
-        return LLM("deepinfer-tiny-v4.1", dtype="float32", enable_mtp_varlen=False, num_speculative_tokens=3,
-                   max_num_seqs=len(PROMPTS), **engine_args)
+        return LLM("deepinfer-tiny-v4.1", dtype="float32", num_speculative_tokens=3, max_num_seqs=len(PROMPTS),
+                   **{"enable_mtp_varlen": False, **engine_args})
 
 
 @pytest.mark.parametrize("length, drafts", [(1.5, 3), (2.8, 3), (2.0, 5), (3.5, 5), (1.0, 4), (5.0, 4)])
@@ -94,6 +94,24 @@ def test_measured_mean_acceptance_length_is_the_requested_one(length, caplog):
     stats = llm.engine.speculator.stats
     assert stats.num_drafts >= 100
     assert abs(1 + stats.num_accepted_tokens / stats.num_drafts - length) < 0.1
+
+
+@pytest.mark.parametrize("policy", ["floor", "measured"])
+def test_confidence_scheduling_cuts_no_draft_under_synthetic_acceptance(policy):
+    """Draws ignore the drafts, so their confidences cut none: with the load-based floor every draft is verified and
+    the measured mean is the requested one (cut by the embedded drafter's confidences, 154 drafts measured 1.99
+    against 2.8), and the measured policy books the drawn acceptance, not the cuts."""
+    llm = _dspark(synthetic_acceptance_length=2.8, enable_mtp_varlen=True, speculation_policy=policy)
+    speculator = llm.engine.speculator
+    assert speculator.floor(1) is None and speculator.floor(len(PROMPTS)) is None
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    stats = speculator.stats
+    assert stats.num_drafts >= 40
+    if policy == "floor":
+        assert abs(1 + stats.num_accepted_tokens / stats.num_drafts - 2.8) < 0.15
+    else:
+        rate = synthetic_rate(2.8, 3)
+        assert abs(speculator.policy.acceptance[0] - rate) < 0.15
 
 
 def test_overlapped_steps_draw_on_the_device_what_synchronous_steps_draw():

@@ -248,8 +248,10 @@ class Speculator:
     def floor(self, decoding: int) -> float | None:
         """The per-request survival floor of a step of ``decoding`` requests (None: no confidence scheduling). With
         the measured policy the step's load is priced by measured cost instead, so only the lowest floor remains:
-        drafts nearly certain to fail are not verified."""
-        if not self.confidence_scheduling:
+        drafts nearly certain to fail are not verified. None under synthetic acceptance too: its draws ignore the
+        drafts, so their confidences say nothing of them (a dummy-weight drafter's cut nearly every draft, and the
+        policy then booked those cuts as acceptance of 0.16 at L = 2.8: H100, V4.1-Flash shapes, 2026-12-06)."""
+        if not self.confidence_scheduling or self.synthetic_rate is not None:
             return None
         if self.policy is not None:
             return MIN_SURVIVAL
