@@ -27,6 +27,7 @@ def _accepting(policy: DraftPolicy, rate: float) -> None:
     if measured over many requests."""
     policy.offered = [1000.0] * policy.max_drafts
     policy.emitted = [1000.0 * rate ** (j + 1) for j in range(policy.max_drafts)]
+    policy.verified_requests = 1000
 
 
 # a memory-bound step: drafts nearly free (a verification step of k drafts costs 1 + 0.02 k plain steps)
@@ -97,9 +98,27 @@ def test_warm_up_times_every_length_longest_first_then_exploits():
         assert reason == "warm-up"
         order.append(k)
         record_cost(policy, 8, k, DEAR_ROWS(k))
+        record_acceptance(policy, k, [0] * 8)
     assert order == [k for k in (3, 2, 1, 0) for _ in range(WARMUP_SAMPLES)]
-    record_acceptance(policy, 3, [0] * 8)
     assert choose(policy, 8, (0, 1, 2, 3)) == (0, "best")
+
+
+def test_the_longest_length_runs_until_acceptance_rests_on_enough_requests():
+    """At batch 1 its two timed steps are two draws of the acceptance: it runs on to ACCEPTANCE_WARMUP verified
+    requests before the policy compares lengths (the draws here are unlucky at first, then fair)."""
+    policy = DraftPolicy(5)
+    order = []
+    for step in range(draft_policy.ACCEPTANCE_WARMUP + WARMUP_SAMPLES):
+        k, reason = choose(policy, 1, (0, 5))
+        assert reason == "warm-up"
+        order.append(k)
+        record_cost(policy, 1, k, 0.010 * (2.4 if k else 1.0))
+        if k:
+            record_acceptance(policy, k, [0 if step < 3 else 4])
+    assert order == [5] * draft_policy.ACCEPTANCE_WARMUP + [0] * WARMUP_SAMPLES
+    assert policy.verified_requests == draft_policy.ACCEPTANCE_WARMUP
+    # its first two draws alone (no accepted draft) would have chosen plain decoding; all of them choose drafts
+    assert choose(policy, 1, (0, 5)) == (5, "best")
 
 
 def test_probes_re_time_the_other_lengths_within_the_budget_on_a_fixed_schedule():

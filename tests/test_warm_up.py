@@ -99,7 +99,7 @@ def test_warm_up_runs_its_sweep_and_leaves_no_trace(monkeypatch):
     assert booked == set(choices)
     # the costs stay, the made-up text's acceptance does not: the policy starts the first run from its prior
     prior = DraftPolicy(speculator.max_drafts)
-    assert (speculator.policy.offered, speculator.policy.emitted) == (prior.offered, prior.emitted)
+    assert speculator.policy.acceptance_counts() == prior.acceptance_counts()
     counters = llm.engine.counters()
     assert counters["steps"] == counters["prompt_tokens"] == counters["finished_requests"] == 0
     assert counters["num_drafts"] == 0 and counters["running"] == counters["waiting"] == 0

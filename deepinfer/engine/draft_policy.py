@@ -12,7 +12,9 @@ may verify it. That share already holds every cut a request's drafts get (its co
 The rule (``choose``), for the step about to be drafted for, over the lengths the engine can run (``choices``):
 
 1. warm-up: a length with fewer than ``WARMUP_SAMPLES`` timed steps in this bucket runs first (longest first,
-   which also measures acceptance at every position);
+   which also measures acceptance at every position), the longest until ``ACCEPTANCE_WARMUP`` requests' drafts
+   have been verified too: a mean acceptance length is a noisy draw per step, and what a step or two measured would
+   otherwise decide until the next probe, hundreds of decisions later;
 2. probe: a length other than the best is re-timed when due, so that costs and acceptance that drift are seen
    again; it is due ``n (s (1 - r) + w) / PROBE_BUDGET`` decisions after it was last timed, ``r`` its expected
    tokens per second relative to the best's, ``s`` the steps a probe runs (``PROBE_STEPS``), ``w`` what switching
@@ -45,6 +47,11 @@ from deepinfer.logger import init_logger
 logger = init_logger(__name__)
 
 WARMUP_SAMPLES = 2  # timed steps per (bucket, length) before the policy trusts its cost
+# requests' verified drafts before the policy trusts its acceptance: at batch 1 the longest length's warm-up saw 4-7
+# steps, which measured 2.3-2.6 where 78 steps measured 3.4 (synthetic L = 3.5), and the policy then decoded
+# without drafts at 0.97x where drafts ran at 1.30x (H100, V4.1-Flash shapes, 2026-12-06). 16 puts the standard
+# error of the mean near 0.3 tokens at L = 3.5
+ACCEPTANCE_WARMUP = 16
 PROBE_BUDGET = 0.01  # the share of a bucket's throughput that re-timing the lengths other than the best may cost
 MIN_PROBE_INTERVAL = 16  # decisions between re-timings of one length at least, however close it is to the best
 # the steps a probe of a length runs for: the overlapped steps book a run's periods from its third step's, at its
@@ -84,6 +91,7 @@ class DraftPolicy:
     decisions: Counter = field(default_factory=Counter)  # per bucket
     offered: list[float] = field(default_factory=list)
     emitted: list[float] = field(default_factory=list)
+    verified_requests: int = 0  # requests whose drafts a step verified, undecayed: the acceptance's evidence
     chosen: Counter = field(default_factory=Counter)  # per (reason, k): the summary's histogram
     probing: dict[int, _Probe] = field(default_factory=dict)  # per bucket: the probe held until timed
 
@@ -92,6 +100,14 @@ class DraftPolicy:
             raise ValueError(f"the draft policy needs max_drafts >= 1, got {self.max_drafts!r}")
         self.offered = [PRIOR_OFFERED] * self.max_drafts
         self.emitted = [PRIOR_EMITTED] * self.max_drafts
+
+    def acceptance_counts(self) -> tuple[list[float], list[float], int]:
+        """What the acceptance rests on, copied (``restore_acceptance`` puts it back)."""
+        return list(self.offered), list(self.emitted), self.verified_requests
+
+    def restore_acceptance(self, counts: tuple[list[float], list[float], int]) -> None:
+        offered, emitted, self.verified_requests = counts
+        self.offered, self.emitted = list(offered), list(emitted)
 
     @property
     def acceptance(self) -> list[float]:
@@ -135,7 +151,8 @@ def choose(policy: DraftPolicy, requests: int, choices: tuple[int, ...]) -> tupl
     decision = policy.decisions[bucket]
     policy.decisions[bucket] += 1
     longest_first = sorted(choices, reverse=True)
-    unmeasured = [k for k in longest_first if policy.samples[bucket, k] < WARMUP_SAMPLES]
+    unmeasured = [k for k in longest_first if policy.samples[bucket, k] < WARMUP_SAMPLES
+                  or (k == longest_first[0] and k > 0 and policy.verified_requests < ACCEPTANCE_WARMUP)]
     held = policy.probing.pop(bucket, None)
     if held is not None and policy.samples[bucket, held.k] != held.samples:
         held = None  # timed: the hold ends
@@ -215,6 +232,8 @@ def record_acceptance(policy: DraftPolicy, length: int, accepted: list[int]) -> 
         raise ValueError(f"a step's draft length must be in [0, {policy.max_drafts}], got {length!r}")
     if not accepted:
         return
+    if length:
+        policy.verified_requests += len(accepted)
     for j in range(length):
         policy.offered[j] = ACCEPTANCE_DECAY * policy.offered[j] + len(accepted)
         policy.emitted[j] = ACCEPTANCE_DECAY * policy.emitted[j] + sum(1 for a in accepted if a > j)

@@ -70,7 +70,7 @@ def warm_up(llm) -> dict:
                     llm.generate([shared] * size, SamplingParams(max_tokens=CONTEXT_STEPS, ignore_eos=True),
                                  use_tqdm=False)
     if kept_acceptance is not None:
-        engine.speculator.policy.offered, engine.speculator.policy.emitted = kept_acceptance
+        engine.speculator.policy.restore_acceptance(kept_acceptance)
     engine.reset_counters()
     done = {"prefill_tokens": lengths, "decode_batch_sizes": sizes, "context_buckets": [cuda_graphs.MIN_CONTEXT]
             + buckets, "seconds": round(time.perf_counter() - started, 2),
@@ -110,10 +110,10 @@ def _decode_sweeps(speculator) -> list[tuple[int, ...] | None]:
     return [(k,) for k in speculator.policy_choices]
 
 
-def _acceptance_of(speculator) -> tuple[list[float], list[float]] | None:
-    """A copy of the measured policy's acceptance counts (None without one), for the warm-up to put back."""
+def _acceptance_of(speculator):
+    """The measured policy's acceptance counts (None without one), for the warm-up to put back."""
     policy = speculator.policy if speculator is not None else None
-    return None if policy is None else (list(policy.offered), list(policy.emitted))
+    return None if policy is None else policy.acceptance_counts()
 
 
 @contextmanager
