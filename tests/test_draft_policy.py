@@ -273,6 +273,17 @@ def test_drafts_must_clear_the_margin():
     assert best_length(policy, 8, (0, 1)) == 1
 
 
+def test_a_lone_request_needs_no_margin():
+    """Batch 1 has no stragglers: a length that promises more tokens per second than plain decoding is taken, where
+    batch 8 with the same costs and acceptance decodes without drafts."""
+    gain = 1 + draft_policy.DRAFT_MARGIN / 2
+    policy = _measured(1, 8, lambda k: 0.02 / gain if k else 0.01, 1.0)
+    for _ in range(WARMUP_SAMPLES):
+        for k in (0, 1):
+            record_cost(policy, 1, k, policy.costs[8, k])
+    assert best_length(policy, 1, (0, 1)) == 1 and best_length(policy, 8, (0, 1)) == 0
+
+
 def test_a_probe_is_priced_and_held_for_the_steps_the_clock_needs():
     """The overlapped steps book a run's periods from its STEADY_FROM-th step's, at the next launch: a probe runs
     that many steps plus one, which its due time prices, and is held at least as long."""

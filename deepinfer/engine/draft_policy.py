@@ -26,7 +26,8 @@ The rule (``choose``), for the step about to be drafted for, over the lengths th
    0.81x and 0.86x of decoding without drafts). The schedule follows the counts and the estimates only: no
    random draws;
 3. otherwise the best: the length with the most expected tokens per second, ``(1 + e_0 + ... + e_{k-1}) /
-   cost(k)``, drafts' discounted by ``1 + DRAFT_MARGIN``, ties to the shorter. ``k = 0`` (plain decoding: no
+   cost(k)``, drafts' discounted by ``1 + DRAFT_MARGIN`` where a batch has requests to straggle (bucket > 1),
+   ties to the shorter. ``k = 0`` (plain decoding: no
    drafts, no draft pass) wins wherever drafts do not pay.
 
 Wall time is what a synchronous step costs the engine whatever the device does (the step waits for its result);
@@ -64,7 +65,9 @@ PROBE_HOLD = PROBE_STEPS + 1  # decisions a probe is held for until its length i
 PROBE_SWITCH_STEPS = 3.5
 # drafts must promise this much more than plain decoding per second: a step's count is a mean over its requests, and
 # the ones that accept less than the mean end later, decoding in small batches that cost nearly a full step each
-# (the embedded model at batch 8 on a CPU: +16% per step predicted for 5 drafts, 0.87x realized)
+# (the embedded model at batch 8 on a CPU: +16% per step predicted for 5 drafts, 0.87x realized). A lone request has
+# no one to wait for: at batch 1 the rate is the request's own (H100, V4.1-Flash shapes: verification at 2.45x a
+# plain step, acceptance 3.36 for 1.30x; with the margin, an estimate of 3.4 or less chose plain decoding)
 DRAFT_MARGIN = 0.25
 # a length's cost is the median of its last few step times: a shared host's stalls (a step 5x its usual time) must
 # not decide for dozens of steps, and costs drift as contexts grow
@@ -195,9 +198,10 @@ def probe_price(relative_rate: float) -> float:
 
 def tokens_per_second(policy: DraftPolicy, bucket: int, choices: tuple[int, ...]) -> dict[int, float]:
     """Expected tokens per second per request of each measured length in ``bucket``, drafts' discounted by
-    ``DRAFT_MARGIN``: what the choice compares."""
+    ``DRAFT_MARGIN`` above batch 1: what the choice compares."""
     acceptance = policy.acceptance
-    rates = {k: expected_tokens(acceptance, k) / policy.costs[bucket, k] / (1 + DRAFT_MARGIN if k else 1)
+    margin = 1 + DRAFT_MARGIN if bucket > 1 else 1.0
+    rates = {k: expected_tokens(acceptance, k) / policy.costs[bucket, k] / (margin if k else 1)
              for k in choices if (bucket, k) in policy.costs}
     if not rates:
         raise ValueError(f"no measured cost in bucket {bucket} for lengths {choices!r}")
