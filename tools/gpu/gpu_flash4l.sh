@@ -307,11 +307,14 @@ if has spec; then  # DSpark drafts on the embedded model, verification and draft
     # batch (SPEC_TIMEOUT each): a batch that runs out of time or memory keeps the others' results
     [[ ${SPEC_MODEL:-} == /tmp/* ]] && python -m deepinfer.testing.flash_fixtures "${SPEC_MODEL#/tmp/}" "$SPEC_MODEL" \
         ${SPEC_LAYERS:+--dspark-layers $SPEC_LAYERS} >/dev/null
+    # the model's name in each result's (two runs in one call, e.g. a fixture's and the embedded model's, keep both)
+    spec_model=${SPEC_MODEL:-deepinfer-tiny-v4.1}
     for b in ${SPEC_BATCHES:-1 32}; do
-        stamp "speculative b$b"
-        timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model ${SPEC_MODEL:-deepinfer-tiny-v4.1} --dtype bfloat16 --batch-sizes $b \
-            --output-len ${SPEC_OUTPUT_LEN:-128} ${SPEC_ARGS:-} --output-json "$out/speculative_b$b.json" 2>&1 | grep -E "Error|error|captured a DSpark|still allocated" | head -8
-        [[ -f "$out/speculative_b$b.json" ]] && python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], 'captures', v[m].get('graph_captures'), 'compiles', v[m].get('kernel_compiles'), v[m].get('policy_choices'), v[m].get('policy_costs_ms'), v[m].get('policy_recent_ms'), v[m].get('policy_acceptance'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]; [print(b, 'same tokens', v.get('same_tokens'), v.get('same_tokens_requests'), 'speedup', v.get('speedup')) for b, v in r.items() if b.startswith('batch')]" "$out/speculative_b$b.json"
+        json="$out/speculative_${spec_model##*/}_b$b.json"
+        stamp "speculative ${spec_model##*/} b$b"
+        timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model $spec_model --dtype bfloat16 --batch-sizes $b \
+            --output-len ${SPEC_OUTPUT_LEN:-128} ${SPEC_ARGS:-} --output-json "$json" 2>&1 | grep -E "Error|error|captured a DSpark|still allocated" | head -8
+        [[ -f "$json" ]] && python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(b, m, round(v[m]['decode_tokens_per_second']), v[m].get('mean_acceptance_length'), v[m].get('draft_tokens'), v[m]['overlapped_steps'], v[m]['steps'], 'captures', v[m].get('graph_captures'), 'compiles', v[m].get('kernel_compiles'), v[m].get('policy_choices'), v[m].get('policy_costs_ms'), v[m].get('policy_recent_ms'), v[m].get('policy_acceptance'), v[m]['per_step_ms']) for b, v in r.items() if b.startswith('batch') for m in v if isinstance(v[m], dict) and 'decode_tokens_per_second' in v[m]]; [print(b, 'same tokens', v.get('same_tokens'), v.get('same_tokens_requests'), 'speedup', v.get('speedup')) for b, v in r.items() if b.startswith('batch')]" "$json"
     done
 fi
 if has policy; then  # the measured policy's booked costs against its steps' steady periods (POLICY_BATCHES; issue 42)
