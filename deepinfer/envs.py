@@ -75,6 +75,11 @@ class Envs:
     DEEPINFER_USE_NEXTN_DECODE: int = _variable(
         "int", 5, "Most draft tokens a step verifies per request, when a drafter plugin serves the model.", minimum=1,
     )
+    DEEPINFER_DRAFT_VOCAB: Path | None = _variable(
+        "path", None, "DSpark drafts only from the token ids in this file (`deepinfer draft-vocab` writes one): each "
+        "draft pass reads the vocabulary and Markov heads' rows of those tokens alone. Outputs do not change; a "
+        "token outside the file is never drafted. Unset: the whole vocabulary.",
+    )
     DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE: str = _variable(
         "choice", "off", "SWA-bounded replay of the decoder layers during prefill.",
         choices=("off", "compact"),

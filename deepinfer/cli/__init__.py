@@ -66,6 +66,10 @@ def _run(argv: list[str]) -> None:
         "plugins", help="registered plugins, their versions and hooks"))
     cli_commands.add_env_arguments(commands.add_parser(
         "env", help="every DEEPINFER_* variable: value, default, meaning"))
+    cli_commands.add_draft_vocab_arguments(commands.add_parser(
+        "draft-vocab", help="a draft vocabulary (DEEPINFER_DRAFT_VOCAB): a corpus's most frequent tokens",
+        description="Count the tokens of text files with the model's tokenizer and write the --size most frequent, "
+                    "one id a line: DSpark then drafts from those alone (docs/speculative-decoding.md)."))
     bench_parser = commands.add_parser("bench", help="benchmarks")
     kinds = bench_parser.add_subparsers(dest="kind", required=True)
     throughput.add_throughput_arguments(kinds.add_parser("throughput", help="offline throughput, optionally against HF"))

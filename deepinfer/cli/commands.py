@@ -1,4 +1,4 @@
-"""``deepinfer generate``, ``deepinfer chat``, ``deepinfer plugins`` and ``deepinfer env``."""
+"""``deepinfer generate``, ``deepinfer chat``, ``deepinfer plugins``, ``deepinfer env`` and ``deepinfer draft-vocab``."""
 
 from __future__ import annotations
 
@@ -149,3 +149,34 @@ def run_plugins(args) -> None:
     load_plugins()
     for plugin in list_plugins():
         print(f"{plugin['name']} {plugin['version']}: {', '.join(plugin['hooks']) or 'no hooks'}")
+
+
+def add_draft_vocab_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="deepinfer-tiny-v4.1",
+                        help="the checkpoint whose tokenizer counts the tokens (a directory, hub id or the embedded "
+                             "model)")
+    parser.add_argument("--corpus", nargs="+", required=True, metavar="FILE",
+                        help="text files like the ones the model will continue, each read as one text")
+    parser.add_argument("--size", type=int, default=32768, help="token ids to keep, the most frequent")
+    parser.add_argument("--output", required=True, help="the file to write (DEEPINFER_DRAFT_VOCAB reads it)")
+    parser.set_defaults(run=run_draft_vocab)
+
+
+def run_draft_vocab(args) -> None:
+    """The ``--size`` most frequent tokens of the corpus (the end-of-sequence token always among them), one a line:
+    a draft vocabulary for ``DEEPINFER_DRAFT_VOCAB`` (``loading/draft_vocab.py``)."""
+    from deepinfer.loading.draft_vocab import most_frequent_tokens, write_draft_vocab
+    from deepinfer.loading.model_source import resolve_model_dir
+    from deepinfer.loading.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_dir(args.model))
+    texts = []
+    for path in args.corpus:
+        with open(path, encoding="utf-8") as f:
+            texts.append(f.read())
+    always = [t for t in (tokenizer.eos_token_id,) if t is not None]
+    ids = most_frequent_tokens(texts, lambda text: tokenizer.encode(text, add_special_tokens=False), args.size, always)
+    write_draft_vocab(args.output, ids, f"{len(texts)} corpus files with {args.model}'s tokenizer")
+    print(f"wrote {len(ids)} token ids to {args.output}"
+          + (f" (the corpus has {len(ids)} distinct tokens, fewer than --size {args.size})" if len(ids) < args.size
+             else ""))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -33,6 +34,8 @@ def _check_variable_field(name: str, value, variable: envs.EnvVar) -> None:
     """A value given for a field that a variable defaults must be one that variable could give."""
     if variable.kind == "bool":
         ok = isinstance(value, bool) or (value is None and variable.default is None)
+    elif variable.kind == "path":
+        ok = value is None or (isinstance(value, (str, os.PathLike)) and str(value) != "")
     elif variable.kind == "int":
         ok = isinstance(value, int) and not isinstance(value, bool) and (variable.minimum is None
                                                                           or value >= variable.minimum)
@@ -80,6 +83,8 @@ class EngineConfig:
     # with enable_mtp_varlen=True: "measured" step draft lengths from timed steps, "floor" the load-based floor
     speculation_policy: str = _from_environment("DEEPINFER_SPECULATION_POLICY")
     num_speculative_tokens: int = _from_environment("DEEPINFER_USE_NEXTN_DECODE")
+    # DSpark drafts only from these token ids (a file: loading/draft_vocab.py); None: the whole vocabulary
+    draft_vocab: str | os.PathLike | None = _from_environment("DEEPINFER_DRAFT_VOCAB")
     # benchmarks only: accept drafts at random so that the mean acceptance length is this (engine/speculation.py);
     # outputs are then not the target model's
     synthetic_acceptance_length: float | None = None

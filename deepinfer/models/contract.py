@@ -59,8 +59,9 @@ class DraftContext:
     embed: nn.Embedding
     rotary: Any  # the uncompressed layers' rotary embedding
     project_vocab: Callable[[torch.Tensor], torch.Tensor]
+    vocab_head: torch.Tensor  # the weight ``project_vocab`` multiplies [vocab, hidden]: a draft vocabulary's rows
 
     @staticmethod
     def of(model: nn.Module) -> "DraftContext":
         return DraftContext(model.config, model.dtype, model.embed.weight.device, model.backends, model.embed,
-                            model.rotary_main, model.project_vocab)
+                            model.rotary_main, model.project_vocab, model.head.weight)

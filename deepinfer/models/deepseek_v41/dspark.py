@@ -122,6 +122,15 @@ class DSparkDraft(nn.Module):
         self.rotary, self.mhc = rotary, mhc
         self.layers = nn.ModuleList(DSparkStage(c, s, rotary, attention, moe, mhc)
                                     for s in range(c.num_nextn_predict_layers))
+        # the token ids drafts are drawn from (``restrict_vocabulary``), sorted; None: the whole vocabulary
+        self.vocabulary: torch.Tensor | None = None
+
+    def restrict_vocabulary(self, ids: torch.Tensor) -> None:
+        """Draft only the tokens ``ids`` [K] (sorted, on the draft's device): ``markov`` then returns logits over
+        them, position ``i`` standing for token ``ids[i]``, and the caller's ``block_logits`` projection must
+        cover the same rows (``loading/draft_vocab.py``)."""
+        self.vocabulary = ids
+        self.__dict__.pop("_markov_fp32", None)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [N, targets * hidden] -> the context rows every stage attends to [N, hidden]."""
@@ -161,15 +170,16 @@ class DSparkDraft(nn.Module):
         return per_request.unsqueeze(1).expand(-1, d, -1).reshape(batch * d, -1)
 
     def _markov_weight(self) -> torch.Tensor:
-        """The Markov head's weight in fp32, converted on the first draft (the weights are loaded by then) rather
-        than on every call (a [vocab, rank] copy each position of each pass otherwise: 132 MB written at
-        V4.1-Flash's sizes, inside every replayed draft graph)."""
+        """The Markov head's weight in fp32 (its draft vocabulary's rows, where restricted), made on the first
+        draft (the weights are loaded by then) rather than on every call (a [vocab, rank] copy each position of
+        each pass otherwise: 132 MB written at V4.1-Flash's sizes, inside every replayed draft graph)."""
         weight = self.layers[-1].markov_head.head.weight
-        if weight.dtype == torch.float32:
+        if weight.dtype == torch.float32 and self.vocabulary is None:
             return weight
         cached = self.__dict__.get("_markov_fp32")
         if cached is None or cached[0] != weight.data_ptr():
-            cached = self.__dict__["_markov_fp32"] = (weight.data_ptr(), weight.detach().float())
+            rows = weight.detach() if self.vocabulary is None else weight.detach()[self.vocabulary]
+            cached = self.__dict__["_markov_fp32"] = (weight.data_ptr(), rows.float())
         return cached[1]
 
     def block_logits(self, heads: DraftHeads, project_vocab: Callable[[torch.Tensor], torch.Tensor]
@@ -187,8 +197,9 @@ class DSparkDraft(nn.Module):
 
     def markov(self, previous: torch.Tensor, heads: DraftHeads, position: int, projected: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, vocab] and acceptance confidence [B] at block ``position``, given the token before it;
-        ``projected``: the position's vocabulary projection (``block_logits``)."""
+        """Logits [B, vocab] (over the draft vocabulary, where restricted) and acceptance confidence [B] at block
+        ``position``, given the token before it; ``projected``: the position's vocabulary projection
+        (``block_logits``)."""
         last = self.layers[-1]
         normalized = heads.normalized[:, position]
         embedding = last.markov_head.embed(previous)

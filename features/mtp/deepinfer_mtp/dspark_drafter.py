@@ -20,12 +20,21 @@ from deepinfer_mtp.pooled_drafter import PooledDrafter
 class DSparkDrafter(PooledDrafter):
     name = "dspark"
 
-    def __init__(self, context: DraftContext, draft: DSparkDraft, max_requests: int):
+    def __init__(self, context: DraftContext, draft: DSparkDraft, max_requests: int,
+                 vocabulary: torch.Tensor | None = None):
+        """``vocabulary``: the sorted token ids drafts are drawn from (``EngineConfig.draft_vocab``), None for all:
+        the pass then reads the vocabulary head's rows of those tokens alone, kept here as a copy."""
         self.context, self.draft = context, draft
         self.device = context.device
         first = draft.layers[0].main_proj.weight
         self.pool = ContextPool(max_requests, context.config.window, context.config.hidden_size, first.dtype,
                                 self.device)
+        self.project_vocab = context.project_vocab
+        self.vocabulary = None if vocabulary is None else vocabulary.to(self.device)
+        if self.vocabulary is not None:
+            rows, logits = context.vocab_head.detach()[self.vocabulary], context.backends.linear.logits
+            self.project_vocab = lambda hidden: logits(hidden, rows)
+            draft.restrict_vocabulary(self.vocabulary)
 
     def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and confidences [B, block] for ``inputs`` [3, B] (anchor ids, their positions, context slots);
@@ -33,11 +42,13 @@ class DSparkDrafter(PooledDrafter):
         anchors, positions, slots = inputs
         draft, target = self.draft, self.context
         heads = draft(DraftInputs(anchors, positions, self.pool.rows[slots], self.pool.positions[slots]), target.embed)
-        projected = draft.block_logits(heads, target.project_vocab)
+        projected = draft.block_logits(heads, self.project_vocab)
         previous, tokens, confidences = anchors, [], []
         for position in range(draft.block_size):  # left to right: the Markov head reads the token before
             logits, confidence = draft.markov(previous, heads, position, projected(position))
             previous = logits.argmax(dim=-1)
+            if self.vocabulary is not None:  # a position in the draft vocabulary to its token id
+                previous = self.vocabulary[previous]
             tokens.append(previous)
             confidences.append(confidence)
         return torch.stack(tokens, 1), torch.stack(confidences, 1)

@@ -15,10 +15,14 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41ModelConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDraft
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM, keeps_fp32
 from deepinfer.models.contract import DraftContext
+from deepinfer.loading.draft_vocab import read_draft_vocab
 from deepinfer.loading.model_loader import load_part
+from deepinfer.logger import init_logger
 from deepinfer.plugins.hookspecs import hookimpl
 from deepinfer_mtp.dspark_drafter import DSparkDrafter
 from deepinfer_mtp.mtp_drafter import MTPDrafter
+
+logger = init_logger(__name__)
 
 
 def _draft_stage_name(name: str) -> str | None:
@@ -68,7 +72,12 @@ def _dspark(config, context: DraftContext, c: DeepseekV41ModelConfig, switch: st
     load_part(draft, c, resolve_model_dir(config.model), DeepseekV41ForCausalLM.checkpoint_name, _draft_stage_name,
               backends.linear, context.device, config.quantization, config.load_format, config.seed)
     draft.requires_grad_(False)
-    return DSparkDrafter(context, draft, config.max_num_seqs)
+    vocabulary = None
+    if config.draft_vocab is not None:
+        vocabulary = read_draft_vocab(config.draft_vocab, c.vocab_size)
+        logger.info("DSpark drafts from %d of the vocabulary's %d tokens (draft_vocab %s)", len(vocabulary),
+                    c.vocab_size, config.draft_vocab)
+    return DSparkDrafter(context, draft, config.max_num_seqs, vocabulary)
 
 
 def _mtp(config, context: DraftContext, c: DeepseekV4ModelConfig, switch: str) -> MTPDrafter:
@@ -76,6 +85,9 @@ def _mtp(config, context: DraftContext, c: DeepseekV4ModelConfig, switch: str) -
         raise ValueError(f"{switch}: this checkpoint has no MTP layer (num_nextn_predict_layers is 0). Unset it "
                          "for this model")
     _refuse_dummy(config, switch)
+    if config.draft_vocab is not None:
+        raise ValueError(f"draft_vocab={str(config.draft_vocab)!r} (DEEPINFER_DRAFT_VOCAB) restricts DSpark drafts "
+                         "(DeepSeek-V4.1); this V4 checkpoint drafts with classic MTP, which takes none. Unset it")
     backends = context.backends
     holder = torch.nn.Module()
     with torch.device("meta"):
