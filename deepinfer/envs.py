@@ -78,7 +78,8 @@ class Envs:
     DEEPINFER_DRAFT_VOCAB: Path | None = _variable(
         "path", None, "DSpark drafts only from the token ids in this file (`deepinfer draft-vocab` writes one): each "
         "draft pass reads the vocabulary and Markov heads' rows of those tokens alone. Outputs do not change; a "
-        "token outside the file is never drafted. Unset: the whole vocabulary.",
+        "token outside the file is never drafted. Unset: the whole vocabulary. Unused (with a warning) without "
+        "speculative decoding.",
     )
     DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE: str = _variable(
         "choice", "off", "SWA-bounded replay of the decoder layers during prefill.",

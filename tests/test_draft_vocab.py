@@ -5,6 +5,7 @@ refused by name, and ``deepinfer draft-vocab`` writes a corpus's most frequent t
 from __future__ import annotations
 
 import importlib
+import logging
 
 import pytest
 import torch
@@ -97,11 +98,15 @@ def test_a_bad_file_is_refused_naming_the_line(tmp_path, content, problem):
         _embedded(enable_mtp_varlen=False, draft_vocab=str(path))
 
 
-def test_a_missing_file_and_a_run_without_drafts_are_refused(tmp_path):
+def test_a_missing_file_is_refused_and_a_run_without_drafts_says_it_is_unused(tmp_path, caplog):
+    """Without drafts the option is a detail of nothing, as DEEPINFER_USE_NEXTN_DECODE is: the engine runs (a
+    bench's run without drafts shares the others' environment) and says the file is unused."""
     with pytest.raises(PluginError, match="is not a file"):
         _embedded(enable_mtp_varlen=False, draft_vocab=str(tmp_path / "absent.txt"))
-    with pytest.raises(ValueError, match="draft_vocab=.* needs speculative decoding"):
-        _embedded(draft_vocab=_vocab_file(tmp_path, [1, 2, 3]))
+    with caplog.at_level(logging.WARNING):
+        llm = _embedded(draft_vocab=_vocab_file(tmp_path, [1, 2, 3]))
+    assert llm.engine.speculator is None
+    assert any("is unused" in r.getMessage() and "draft_vocab" in r.getMessage() for r in caplog.records)
 
 
 def test_classic_mtp_drafts_refuse_a_draft_vocabulary(tmp_path):

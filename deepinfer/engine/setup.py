@@ -70,11 +70,13 @@ def speculator(config: EngineConfig, model, max_model_len: int) -> Speculator | 
     offer = checked("deepinfer_drafter", select_optional_backend("deepinfer_drafter", config=config,
                                                                  context=DraftContext.of(model)))
     if offer is None:
-        for name in ("synthetic_acceptance_length", "draft_vocab"):
-            if getattr(config, name) is not None:
-                raise ValueError(f"{name}={getattr(config, name)!r} needs speculative decoding, and no drafter "
-                                 "plugin serves this model with these arguments (set enable_mtp_varlen to True or "
-                                 "False, with features/mtp installed)")
+        if config.synthetic_acceptance_length is not None:
+            raise ValueError(f"synthetic_acceptance_length={config.synthetic_acceptance_length} needs speculative "
+                             "decoding, and no drafter plugin serves this model with these arguments (set "
+                             "enable_mtp_varlen to True or False, with features/mtp installed)")
+        if config.draft_vocab is not None:  # like DEEPINFER_USE_NEXTN_DECODE, a detail of drafting: unused here
+            logger.warning("draft_vocab=%s (DEEPINFER_DRAFT_VOCAB) is unused: no drafter serves this engine "
+                           "(speculative decoding is off)", config.draft_vocab)
         return None
     if config.synthetic_acceptance_length is not None:
         logger.warning("synthetic_acceptance_length=%s (benchmarks only): drafts are accepted at random for that "
