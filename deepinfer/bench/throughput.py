@@ -47,7 +47,8 @@ def _release() -> None:
         # out-of-memory error in the next load
         left = torch.cuda.memory_allocated()
         if left > 2**30:
-            logger.warning("%.2f GiB of device memory still allocated after releasing the previous engine", left / 2**30)
+            logger.warning("%.2f GiB of device memory still allocated after releasing the previous engine",
+                           left / 2**30)
 
 
 def releases_engine(run: Callable[..., R]) -> Callable[..., R]:

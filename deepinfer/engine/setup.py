@@ -80,8 +80,8 @@ def speculator(config: EngineConfig, model, max_model_len: int) -> Speculator | 
         return None
     if config.synthetic_acceptance_length is not None:
         logger.warning("synthetic_acceptance_length=%s (benchmarks only): drafts are accepted at random for that "
-                       "mean acceptance length, so outputs are NOT the target model's (and no draft is cut for its confidence, "
-                       "which says nothing of a drawn acceptance)",
+                       "mean acceptance length, so outputs are NOT the target model's (and no draft is cut for its "
+                       "confidence, which says nothing of a drawn acceptance)",
                        config.synthetic_acceptance_length)
     lengths = "fixed length"
     if config.enable_mtp_varlen:

@@ -113,7 +113,6 @@ V41_FLASH_8L_DSPARK = {
 }
 
 
-
 def dspark_layers(layers: int) -> dict:
     """Overrides that cut ``v41flash8Ldspark`` to its first ``layers`` target layers, the draft stages reading the
     last three (as the release's read its last layers)."""

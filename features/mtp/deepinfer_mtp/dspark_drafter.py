@@ -30,11 +30,16 @@ class DSparkDrafter(PooledDrafter):
         self.pool = ContextPool(max_requests, context.config.window, context.config.hidden_size, first.dtype,
                                 self.device)
         self.project_vocab = context.project_vocab
-        self.vocabulary = None if vocabulary is None else vocabulary.to(self.device)
-        if self.vocabulary is not None:
-            rows, logits = context.vocab_head.detach()[self.vocabulary], context.backends.linear.logits
+        if vocabulary is not None:
+            vocabulary = vocabulary.to(self.device)
+            rows, logits = context.vocab_head.detach()[vocabulary], context.backends.linear.logits
             self.project_vocab = lambda hidden: logits(hidden, rows)
-            draft.restrict_vocabulary(self.vocabulary)
+            draft.restrict_vocabulary(vocabulary)
+
+    @property
+    def vocabulary(self) -> torch.Tensor | None:
+        """The token ids drafts are drawn from (the draft's), None for the whole vocabulary."""
+        return self.draft.vocabulary
 
     def _draft(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and confidences [B, block] for ``inputs`` [3, B] (anchor ids, their positions, context slots);
@@ -47,8 +52,8 @@ class DSparkDrafter(PooledDrafter):
         for position in range(draft.block_size):  # left to right: the Markov head reads the token before
             logits, confidence = draft.markov(previous, heads, position, projected(position))
             previous = logits.argmax(dim=-1)
-            if self.vocabulary is not None:  # a position in the draft vocabulary to its token id
-                previous = self.vocabulary[previous]
+            if draft.vocabulary is not None:  # a position in the draft vocabulary to its token id
+                previous = draft.vocabulary[previous]
             tokens.append(previous)
             confidences.append(confidence)
         return torch.stack(tokens, 1), torch.stack(confidences, 1)
