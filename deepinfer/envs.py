@@ -95,6 +95,11 @@ class Envs:
     DEEPINFER_ASYNC_SCHEDULING: bool = _variable(
         "bool", True, "Schedule and launch the next step before the host has the current step's tokens (off: wait).",
     )
+    DEEPINFER_DEPENDENT_LAUNCH: bool = _variable(
+        "bool", True, "nvidia, SM90 and later: launch the Triton kernels with programmatic dependent launch (a kernel's "
+        "programs start while the one before it finishes, and wait for its writes). Off: one after another, as "
+        "tools such as compute-sanitizer expect.",
+    )
     DEEPINFER_ENGRAM_TABLES: str = _variable(
         "choice", "auto", "Where DeepSeek-V4.1's Engram tables are read: `device` hashes and gathers inside each step "
         "(CUDA graphs; the step needs no token values on the host), `host` keeps them memory-mapped and gathers on "

@@ -16,7 +16,7 @@
 # tokens, and FlashMLA's sparse prefill against ours: tools/gpu/gpu_kernels.py --prefill), v41 (the V4.1-Flash-shaped fixture at V41_BATCHES, 1 and 64; V41_TAG names the runs; BENCH_PRELUDE: Python run before a bench of a tree whose plugins are registered by hand),
 # policy (tools/profiling/policy_plain_steps.py: the measured policy's booked costs against steady periods, POLICY_BATCHES),
 # spec (speculative decoding with DSpark drafts on the embedded model, with and without drafts, overlapped and not;
-# SPEC_BATCHES, one bench process each, SPEC_TIMEOUT each; SPEC_MODEL a fixture, SPEC_LAYERS cuts it), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
+# SPEC_BATCHES, one bench process each, SPEC_TIMEOUT each; SPEC_MODEL a fixture, SPEC_LAYERS cuts it, SPEC_TAG names the results), specprofile (tools/profiling/profile_speculative.py: a V4.1-shaped speculative step under the profiler, SPEC_BATCH), replay (SWA bounded
 # replay: prefill off vs compact), v41route (V4.1 prefill with the FP8 projections' cuBLAS route and without, V41_PREFILL_LENS), serve (`deepinfer bench serve` on the embedded model, SERVE_CONCURRENCY, SERVE_ARGS (e.g. --no-engine-process), SERVE_TAG names its results; offline throughput beside it), SYNC_DEBUG=1 adds to structured and structuredprev the synchronizing calls by call site (tools/profiling/sync_sites.py); vision (the vision-attention tests and `deepinfer bench vision` at V4.1-Flash's vision config, VISION_SIZE), structured (a JSON schema's step cost at batch 32), invariant (batch-invariant mode: one output among random batches, and its cost).
 # TESTS narrows `tests` to given files (TESTS_TIMEOUT: its time limit, 420 s); IDLE_MODELS and IDLE_BATCHES narrow `idle` (TOP: kernels listed), IDLE_ASYNC=1 skips its runs without overlap, TRACE=0
 # its runs under the profiler, and HOST_PROFILE=1 adds a host profile; SPEC_MODEL replaces the embedded model in `spec`. A previous call's jit-cache.tgz copied to .jit-cache/previous.tgz (and carried)
@@ -310,7 +310,7 @@ if has spec; then  # DSpark drafts on the embedded model, verification and draft
     # the model's name in each result's (two runs in one call, e.g. a fixture's and the embedded model's, keep both)
     spec_model=${SPEC_MODEL:-deepinfer-tiny-v4.1}
     for b in ${SPEC_BATCHES:-1 32}; do
-        json="$out/speculative_${spec_model##*/}_b$b.json"
+        json="$out/speculative_${spec_model##*/}${SPEC_TAG:-}_b$b.json"
         stamp "speculative ${spec_model##*/} b$b"
         timeout ${SPEC_TIMEOUT:-400} "${bench[@]}" speculative --model $spec_model --dtype bfloat16 --batch-sizes $b \
             --output-len ${SPEC_OUTPUT_LEN:-128} ${SPEC_ARGS:-} --output-json "$json" 2>&1 | grep -E "Error|error|captured a DSpark|still allocated" | head -8

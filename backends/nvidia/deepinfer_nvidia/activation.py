@@ -7,11 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
+
 BLOCK = 1024
 
 
 @triton.jit
 def _swiglu_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, n, limit, BLOCK: tl.constexpr):
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -37,5 +40,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         gate, up = _rows(gate), _rows(up)
         width = gate.shape[1]
         _swiglu_kernel[(gate.shape[0], triton.cdiv(width, BLOCK))](gate, gate.stride(0), up, up.stride(0), out, width,
-                                                                  float(limit), BLOCK=BLOCK)
+                                                                  float(limit), BLOCK=BLOCK, **LAUNCH)
     return out

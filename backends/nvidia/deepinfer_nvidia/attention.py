@@ -11,6 +11,7 @@ from deepinfer.runtime import fp8_kv
 from deepinfer.runtime.ops import select_topk
 from deepinfer_nvidia.cache_formats import round_to_format
 from deepinfer_nvidia.compress_pool import compress_pool, store_compressor_rows
+from deepinfer_nvidia.dependent_launch import LAUNCH
 from deepinfer_nvidia.kv_store import store_rows
 from deepinfer_nvidia.norm import rms_norm
 from deepinfer_nvidia.rope import rotate
@@ -63,7 +64,7 @@ def _flashmla_prefill_attention(sparse_prefill, q, sources, sinks, scale):
     out = torch.empty_like(q)
     _merge_normalized_kernel[(q.shape[0], q.shape[1])](
         a, a.stride(0), a.stride(1), lse_a, lse_a.stride(0), b, b.stride(0), b.stride(1), lse_b, lse_b.stride(0),
-        sinks, out, out.stride(0), out.stride(1), D=q.shape[2])
+        sinks, out, out.stride(0), out.stride(1), D=q.shape[2], **LAUNCH)
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import _pow2_ceil, _round_to_e4m3, _segment_scale
 
 # format -> (group size, kernel code)
@@ -35,6 +36,7 @@ def _round_to_e2m1(v):
 
 @triton.jit
 def _round_kernel(x_ptr, out_ptr, D, stride_x, GROUP: tl.constexpr, GROUPS: tl.constexpr, FORMAT: tl.constexpr):
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = cols < D  # a partial last group: its missing channels are zeros, as the reference pads it
@@ -70,5 +72,6 @@ def round_to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         grid = (rows.shape[0], triton.cdiv(triton.cdiv(width, group), GROUPS_PER_PROGRAM))
-        _round_kernel[grid](rows, out, width, rows.stride(0), GROUP=group, GROUPS=GROUPS_PER_PROGRAM, FORMAT=code)
+        _round_kernel[grid](rows, out, width, rows.stride(0), GROUP=group, GROUPS=GROUPS_PER_PROGRAM, FORMAT=code,
+                            **LAUNCH)
     return out

@@ -12,9 +12,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepinfer_nvidia import (activation, cache_formats, compress_pool, fp8_bf16_gemm, fp8_gemv, fp8_linear,
-                              fp8_rounding, kv_store, logits, mhc, mhc_weights, moe, moe_blocks, moe_fp4_bytes, moe_fp8,
-                              moe_grouped, moe_humming, moe_mxfp4, norm, rope, routing, sampling, slots, split_k)
+from deepinfer_nvidia import (activation, cache_formats, compress_pool, dependent_launch, fp8_bf16_gemm, fp8_gemv,
+                              fp8_linear, fp8_rounding, kv_store, logits, mhc, mhc_weights, moe, moe_blocks,
+                              moe_fp4_bytes, moe_fp8, moe_grouped, moe_humming, moe_mxfp4, norm, rope, routing, sampling,
+                              slots, split_k)
 from deepinfer_nvidia import sparse_attention as attention
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -187,7 +188,6 @@ CASES = {
 FLOAT_SCALARS = {"limit", "qk_scale", "sink_scale", "eps"}
 
 
-
 def compile_case(name: str) -> None:
     fn, pointers, constexprs = CASES[name]
     signature = {}
@@ -197,8 +197,11 @@ def compile_case(name: str) -> None:
     missing = sorted(n for n, t in signature.items() if t == "constexpr" and n not in constexprs)
     if missing:
         raise ValueError(f"{name}: give the constexprs {missing}")
-    if not triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90).asm["cubin"]:
+    asm = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90).asm
+    if not asm["cubin"]:
         raise RuntimeError(f"{name}: no cubin")
+    if dependent_launch.ENABLED and "griddepcontrol.wait" not in asm["ptx"]:
+        raise RuntimeError(f"{name}: launched with dependent launch, but never waits for its inputs")
 
 
 def main() -> int:

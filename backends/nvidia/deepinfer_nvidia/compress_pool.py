@@ -10,12 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
+
 ROWS_BLOCK = 1024
 
 
 @triton.jit
 def _compress_pool_kernel(state_ptr, stride_state, rows_ptr, stride_rows, weight_ptr, out_ptr, stride_out, eps,
                           RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr):
+    wait_for_inputs()
     window = tl.program_id(0).to(tl.int64)
     # padded decode steps list a row for every token; where no window closes every slot is -1 and the result goes
     # to a scratch row nobody reads: skip the 2 x RATIO x OVERLAP row loads (a ratio-128 layer's are most of it)
@@ -58,13 +61,14 @@ def compress_pool(state, rows, ratio, overlap, norm_weight, eps):
         rows = rows.contiguous()
         _compress_pool_kernel[(rows.shape[0],)](state, state.stride(0), rows, rows.stride(0),
                                                 norm_weight.float().contiguous(), out, out.stride(0), eps,
-                                                RATIO=ratio, OVERLAP=overlap, D=dim)
+                                                RATIO=ratio, OVERLAP=overlap, D=dim, **LAUNCH)
     return out
 
 
 @triton.jit
 def _compressor_rows_kernel(kv_ptr, stride_kv, score_ptr, stride_score, bias_ptr, positions_ptr, slots_ptr,
                             state_ptr, stride_state, C, R, BLOCK_C: tl.constexpr):
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = offs < C
@@ -94,4 +98,4 @@ def store_compressor_rows(state, slots, kv, score, position_bias, positions):
         grid = (tokens, triton.cdiv(width, ROWS_BLOCK))
         _compressor_rows_kernel[grid](kv, kv.stride(0), score, score.stride(0), bias, positions.contiguous(),
                                       slots.contiguous(), state, state.stride(0), width, bias.shape[0],
-                                      BLOCK_C=ROWS_BLOCK)
+                                      BLOCK_C=ROWS_BLOCK, **LAUNCH)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import fp8_rounded
 
 
@@ -22,6 +23,7 @@ from deepinfer_nvidia.fp8_rounding import fp8_rounded
 def _expand_kernel(w_ptr, sw_ptr, out_ptr, N, K, stride_w, stride_sw, W_ROW_TILE: tl.constexpr,
                    W_COL_TILE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """A [BN, BK] tile of the e4m3 weight times its scale tiles, as bf16."""
+    wait_for_inputs()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
     ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
@@ -38,7 +40,7 @@ def expanded_weight(weight: torch.Tensor, scales: torch.Tensor, row_tile: int, c
     bn, bk = 32, 128
     _expand_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](weight, scales, out, n, k, weight.stride(0),
                                                             scales.stride(0), W_ROW_TILE=row_tile,
-                                                            W_COL_TILE=column_tile, BN=bn, BK=bk)
+                                                            W_COL_TILE=column_tile, BN=bn, BK=bk, **LAUNCH)
     return out
 
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import INTERPRETED
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import _e4m3_values, _native_fp8, _segment_scale
 from deepinfer_nvidia.split_k import arrival_counters, sm_count, store_split
 
@@ -69,7 +70,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
     activations times both scales: a program's BN rows lie in one ``W_ROW_TILE``-row scale tile, so each
     activation segment meets one weight scale. The activations are rounded here, as
     ``act_quant`` rounds them (bit for bit); each program reads its next chunk of weights before it multiplies
-    the current one. K splits and their sum work as ``split_k`` says."""
+    the current one. K splits and their sum work as ``split_k`` says. The first chunk of weights is read before the
+    previous kernel's output is awaited (``dependent_launch``): no kernel writes weights."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     SEGMENTS: tl.constexpr = KB // BK
@@ -84,6 +86,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
     rows = w_ptr + offs_n[:, None, None] * stride_w
     acc = tl.zeros((BN, SEGMENTS, WORDS), dtype=tl.float32)
     w = tl.load(rows + word[None, :, :], mask=n_ok[:, None, None] & (word < words)[None, :, :], other=0)
+    wait_for_inputs()
     for chunk in range(CHUNKS_PER_SPLIT):
         next_word = word + KB // 4
         w_next = tl.load(rows + next_word[None, :, :],
@@ -139,4 +142,4 @@ def gemv(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, weight_
     _fp8_gemv_kernel[(tiles, splits)](
         flat.view(torch.int64), weight.view(torch.int32), scales, y, partials, arrival_counters(flat.device, tiles),
         n, k, weight.stride(0) // 4, scales.stride(0), NUM_BLOCKS=triton.cdiv(k, block), CHUNKS_PER_SPLIT=per_split,
-        SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), **meta)
+        SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), **meta, **LAUNCH)

@@ -22,6 +22,7 @@ from deepinfer.runtime.ops import fp32_logits
 from deepinfer.runtime.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import INTERPRETED, fp8_bf16_gemm, fp8_gemv
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import _e4m3_values, _native_fp8, _segment_scale, act_quant
 from deepinfer_nvidia.split_k import arrival_counters, sm_count, store_split, sum_splits_kernel
 from deepinfer_nvidia.logits import bf16_logits
@@ -46,6 +47,7 @@ def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, str
                      NUM_BLOCKS: tl.constexpr, W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr):
     """One [BM, BN] tile of ``y`` from ``act_quant``'s activations."""
+    wait_for_inputs()
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -105,6 +107,7 @@ def _fp8_gemm_few_rows_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, 
     (deterministic) into ``y`` and zeroes the counter for the next call, so no second launch sums them (while the
     partials are few rows: one program reads them all). With QUANTIZE, ``q_ptr`` holds the unrounded activations
     and each program rounds its own, as ``act_quant`` does (bit for bit)."""
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -156,7 +159,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activ
 
     kernel[grid](q, sx, weight, scales, y, m, n, k, min(triton.next_power_of_2(m), 128), q.stride(0),
                  weight.stride(0), scale.shape[1], n, NUM_BLOCKS=num_blocks, W_ROW_TILE=weight_row_tile,
-                 BK=activation_block, NATIVE_FP8=_native_fp8(x.device), **tiles)
+                 BK=activation_block, NATIVE_FP8=_native_fp8(x.device), **tiles, **LAUNCH)
     return y.view(*x.shape[:-1], n)
 
 
@@ -196,9 +199,9 @@ def _few_rows_gemm(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
         q, sx, weight, scales, y, partials, arrival_counters(flat.device, tiles), m, n, k, q.stride(0),
         weight.stride(0), scales.stride(0), y.stride(0), NUM_BLOCKS=num_blocks, BLOCKS_PER_SPLIT=per_split,
         SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), BM=rows,
-        QUANTIZE=one_launch, SUM_HERE=one_launch, **({"BN": tile_n} if INTERPRETED else FEW_ROWS_TILES))
+        QUANTIZE=one_launch, SUM_HERE=one_launch, **({"BN": tile_n} if INTERPRETED else FEW_ROWS_TILES), **LAUNCH)
     if splits > 1 and not one_launch:
-        sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, y, m * n, SPLITS=splits, BLOCK=1024)
+        sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, y, m * n, SPLITS=splits, BLOCK=1024, **LAUNCH)
 
 
 def _few_rows_tile_n() -> int:

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
+
 @triton.jit
 def _pow2_ceil(v):
     """Smallest power of two >= v (v > 0): bump the exponent when any mantissa bit is set."""
@@ -57,6 +59,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_blocks,
     PAIRS_APART: each 32 columns of ``q`` hold their even columns, then their odd ones (what the MXFP4 experts'
     MMAs read: a packed weight byte holds an even and an odd column's codes). SWIGLU: ``x`` is the gate, and the
     values rounded are ``swiglu(x, up)`` in fp32, as ``activation.swiglu`` computes them."""
+    wait_for_inputs()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     segments = tl.program_id(1) * SEGMENTS + tl.arange(0, SEGMENTS)
     offs = segments[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [SEGMENTS, BLOCK] columns
@@ -106,7 +109,7 @@ def _act_quant(x: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tenso
     _act_quant_kernel[grid](x, q, q if scales is None else scales, rows, cols, x.stride(0), q.stride(0), num_blocks,
                             x if up is None else up, x.stride(0) if up is None else up.stride(0), float(limit),
                             BLOCK=block, ROWS=tile_rows, SEGMENTS=segments, NATIVE_FP8=_native_fp8(x.device),
-                            ROUND_TRIP=scales is None, PAIRS_APART=pairs_apart, SWIGLU=up is not None)
+                            ROUND_TRIP=scales is None, PAIRS_APART=pairs_apart, SWIGLU=up is not None, **LAUNCH)
 
 
 def act_quant(x: torch.Tensor, block: int, pairs_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.runtime import fp8_kv
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import _round_to_e4m3
 
 # the layout as constants the kernels fold in (the attention kernel reads with the same ones)
@@ -21,6 +22,7 @@ NOPE, TILE, WIDTH = tl.constexpr(fp8_kv.D_NOPE), tl.constexpr(fp8_kv.TILE), tl.c
 
 @triton.jit
 def _fp8_store_kernel(rows_ptr, stride_rows, slots_ptr, stride_slots, fp8_ptr, bytes_ptr):
+    wait_for_inputs()
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i * stride_slots).to(tl.int64)
     base = (slot // PAGE) * PAGE_BYTES
@@ -55,4 +57,4 @@ def store_rows(pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
     if rows.shape[0]:
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         _fp8_store_kernel[(rows.shape[0],)](rows, rows.stride(0), slots, slots.stride(0),
-                                            pool.data.view(torch.float8_e4m3fn), pool.data)
+                                            pool.data.view(torch.float8_e4m3fn), pool.data, **LAUNCH)

@@ -15,11 +15,13 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import INTERPRETED
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 
 
 @triton.jit(do_not_specialize=["M"])  # counts of a step's rows: one binary for any
 def _bf16_logits_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, NATIVE: tl.constexpr):
+    wait_for_inputs()
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_ok, n_ok = offs_m < M, offs_n < N
@@ -65,5 +67,5 @@ def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor, pinned: bool = False
         tiles = {**tiles, "BN": 32, "num_stages": 1}
     grid = (triton.cdiv(rows, tiles["BM"]), triton.cdiv(vocab, tiles["BN"]))
     _bf16_logits_kernel[grid](hidden, weight, out, rows, vocab, width, hidden.stride(0), weight.stride(0),
-                              out.stride(0), NATIVE=hidden.device.type == "cuda", **tiles)
+                              out.stride(0), NATIVE=hidden.device.type == "cuda", **tiles, **LAUNCH)
     return out

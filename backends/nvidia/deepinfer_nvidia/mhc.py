@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.mhc_weights import (BLOCK_T, _check_sinkhorn, _coefficients, _mhc_kernel, _mhc_weights_kernel,
                                           _mix_buffers, _mix_partials, _store_mix, _summed_logits)
 
@@ -65,6 +66,7 @@ def _collapse_row(streams_ptr, stride_st, stride_sn, token, pre, weight_ptr, out
 @triton.jit
 def _collapse_kernel(streams_ptr, stride_st, stride_sn, pre_ptr, weight_ptr, out_ptr, stride_out, D, eps,
                      N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_PASS: tl.constexpr):
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     pre = tl.load(pre_ptr + token * N + tl.arange(0, N))
     _collapse_row(streams_ptr, stride_st, stride_sn, token, pre, weight_ptr, out_ptr, stride_out, D, eps, N, BLOCK_D,
@@ -79,6 +81,7 @@ def _sublayer_input_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_p
                            SINGLE_PASS: tl.constexpr):
     """``_mhc_weights_kernel`` and ``_collapse_kernel`` in one program per token. V4 collapses with the ``pre`` just
     computed, which stays in registers; V4.1 (SINGLE_PASS) stores it and collapses with ``previous_pre``."""
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N,
                                      SPLITS_PAD)
@@ -99,6 +102,7 @@ def _sublayer_input_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_p
 def _expand_kernel(streams_ptr, stride_st, stride_sn, output_ptr, stride_o, post_ptr, comb_ptr, out_ptr, D,
                    N: tl.constexpr, BLOCK_D: tl.constexpr):
     """New stream o = post[o] * output + sum_i comb[i, o] * streams[i] (out is contiguous [T, N, D])."""
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, N)
     offs, ok, streams = _streams_tile(streams_ptr, stride_st, stride_sn, token, tl.program_id(1) * BLOCK_D, D, N,
@@ -174,7 +178,7 @@ class TritonMHC:
         comb = torch.empty(tokens, n, n, dtype=torch.float32, device=logits.device)
         if tokens:
             _mhc_kernel[(triton.cdiv(tokens, BLOCK_T),)](logits, logits.stride(0), pre, post, comb, tokens, eps, N=n,
-                                                        ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T)
+                                                        ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, **LAUNCH)
         return pre, post, comb
 
     def weights(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
@@ -187,7 +191,7 @@ class TritonMHC:
             _mhc_weights_kernel[(streams.shape[0],)](dots, squares, base.contiguous(), scale.contiguous(), pre, post,
                                                      comb, streams.shape[0], splits, width, norm_eps, hc_eps, N=n,
                                                      ITERS=sinkhorn_iters, SPLITS_PAD=triton.next_power_of_2(splits),
-                                                     num_warps=1)
+                                                     num_warps=1, **LAUNCH)
         return pre, post, comb
 
     def sublayer_input(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps, norm_weight=None,
@@ -220,7 +224,7 @@ class TritonMHC:
                 post if weight is None else weight, out, out.stride(0), post if pre is None else pre,
                 post if previous_pre is None else previous_pre, post, comb, tokens, splits, flat_width, width,
                 norm_eps, hc_eps, eps, N=n, ITERS=sinkhorn_iters, SPLITS_PAD=triton.next_power_of_2(splits),
-                NORM=norm, SINGLE_PASS=single_pass, **_collapse_tiles(width))
+                NORM=norm, SINGLE_PASS=single_pass, **_collapse_tiles(width), **LAUNCH)
         return out, pre, post, comb
 
     def collapse(self, streams, pre, norm_weight=None, eps=0.0):
@@ -231,7 +235,7 @@ class TritonMHC:
         if tokens:
             _collapse_kernel[(tokens,)](streams, streams.stride(0), streams.stride(1), pre, pre if weight is None else
                                         weight, out, out.stride(0), width, eps, N=n, NORM=norm,
-                                        **_collapse_tiles(width))
+                                        **_collapse_tiles(width), **LAUNCH)
         return out
 
     def expand(self, streams, output, post, comb):
@@ -244,5 +248,5 @@ class TritonMHC:
             block = _block_d(width)
             _expand_kernel[(tokens, triton.cdiv(width, block))](streams, streams.stride(0), streams.stride(1), output,
                                                                 output.stride(0), post, comb, out, width, N=n,
-                                                                BLOCK_D=block)
+                                                                BLOCK_D=block, **LAUNCH)
         return out

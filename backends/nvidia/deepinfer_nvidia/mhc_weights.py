@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
+
 BLOCK_T = 16
 # The logits' projection is cut into at most this many K-splits of whole BLOCK_K columns. The cut depends on the
 # width alone, never on the token count: a token's sum is then added in the same order in any batch.
@@ -61,6 +63,7 @@ def _store_coefficients(pre, post, comb, rows, ok, pre_ptr, post_ptr, comb_ptr, 
 @triton.jit
 def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl.constexpr, ITERS: tl.constexpr,
                 BLOCK_T: tl.constexpr):
+    wait_for_inputs()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < T
     i = tl.arange(0, N)
@@ -82,6 +85,7 @@ def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, 
     One token at a time, products summed element-wise over the blocks and reduced once: a decode step's few tokens
     cost only their own arithmetic (a 16-row tl.dot would multiply the padding too), and the program's fn columns,
     read from memory for its first token, come from the L1 cache for the others."""
+    wait_for_inputs()
     split = tl.program_id(1)
     m = tl.arange(0, M_PAD)
     for t in range(BLOCK_T):
@@ -109,6 +113,7 @@ def _mix_tiles_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, 
     """``_mix_partials_kernel``'s outputs for a prefill's many tokens: TILE_T tokens a program, their products with
     fn's rows as tl.dot tiles read from the bf16 streams without an fp32 copy. tf32x3 keeps fp32's accuracy (each
     operand split into two TF32 parts, three tensor-core products) where IEEE fp32 would fall back to FMAs."""
+    wait_for_inputs()
     rows = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)
     rows_ok = rows < T
     split = tl.program_id(1)
@@ -156,6 +161,7 @@ def _mhc_weights_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, pre_ptr, pos
                         norm_eps, eps, N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """One token's coefficients from its ``_mix_partials_kernel`` splits. One token a program: a decode step's
     program does no work for padding rows."""
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N,
                                      SPLITS_PAD)
@@ -217,8 +223,8 @@ def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int, gemm_to
     if tiled:  # tl.dot wants 16+ columns
         _mix_tiles_kernel[(tiles, splits)](*args, M=logits, M_PAD=max(16, triton.next_power_of_2(logits)),
                                            TILE_T=PREFILL_TILE_T, BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split,
-                                           num_warps=8)
+                                           num_warps=8, **LAUNCH)
     else:
         _mix_partials_kernel[(tiles, splits)](*args, M=logits, M_PAD=triton.next_power_of_2(logits), BLOCK_T=BLOCK_T,
-                                              BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split)
+                                              BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split, **LAUNCH)
     return dots, squares, splits, width

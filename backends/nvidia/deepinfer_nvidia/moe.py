@@ -35,6 +35,7 @@ import triton.language as tl
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import (activation, moe_blocks, moe_fp4_bytes, moe_fp8, moe_grouped, moe_humming, moe_mxfp4,
                               moe_mxfp4_layout, routing)
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import fp8_rounded
 
 logger = init_logger(__name__)
@@ -68,6 +69,7 @@ def _float_experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, out_ptr, out_rows_ptr
                           BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
                           NATIVE: tl.constexpr):
     """The same as ``moe_fp4_bytes``' kernel for float weights: plain BK-deep tiles, no scales."""
+    wait_for_inputs()
     count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
@@ -101,7 +103,7 @@ def _float_experts(a, a_rows, out_rows, w, blocks, bm, v=None, limit=0.0):
     grid, bn = _grid(blocks, n)
     _float_experts_kernel[grid](a, a_rows, w, w if v is None else v, out, out_rows, *blocks, n, limit, a.stride(0),
                                 w.stride(0), w.stride(1), out.stride(0), K=k, BLOCK_M=bm, BN=bn, BK=64,
-                                SWIGLU=v is not None, NATIVE=a.device.type == "cuda")
+                                SWIGLU=v is not None, NATIVE=a.device.type == "cuda", **LAUNCH)
     return out
 
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
+
 MAX_ASSIGNMENTS = 1024  # tokens x top-k up to which this launch wins over the sort (decode batches)
 MAX_CHUNK = 64
 
@@ -40,6 +42,7 @@ def _blocks_kernel(ids_ptr, assignments, experts, num_blocks, order_ptr, token_o
                    CHUNK: tl.constexpr):
     """Program p ranks assignments [p * CHUNK, (p + 1) * CHUNK) and fills blocks [p * CHUNK, (p + 1) * CHUNK):
     the programs share nothing, each counting the experts' assignments itself (one pass over the ids)."""
+    wait_for_inputs()
     e = tl.arange(0, E_PAD)
     lane = tl.arange(0, CHUNK)
     mine = tl.program_id(0) * CHUNK + lane
@@ -139,7 +142,7 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int, bm: int):
     programs = triton.cdiv(max(assignments, num_blocks), chunk)
     _blocks_kernel[(programs,)](topk_ids.contiguous(), assignments, experts, num_blocks, order, token_of, sorted_rows,
                                 expert, start, rows, TOP_K=topk_ids.shape[1], BM=bm,
-                                E_PAD=triton.next_power_of_2(experts), CHUNK=chunk, num_warps=16)
+                                E_PAD=triton.next_power_of_2(experts), CHUNK=chunk, num_warps=16, **LAUNCH)
     return order, token_of, sorted_rows, (expert, start, rows)
 
 
@@ -182,6 +185,7 @@ def block_tile(count, block_expert_ptr, block_start_ptr, a_rows_ptr, N, BLOCK_M:
 @triton.jit
 def _combine_kernel(down_ptr, weights_ptr, out_ptr, D, stride_down, stride_w, stride_out, TOP_K: tl.constexpr,
                     BLOCK_D: tl.constexpr):
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -203,5 +207,5 @@ def combine(down: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) 
         block = min(1024, triton.next_power_of_2(width))
         _combine_kernel[(tokens, triton.cdiv(width, block))](down, topk_weights, out, width, down.stride(0),
                                                              topk_weights.stride(0), out.stride(0), TOP_K=top_k,
-                                                             BLOCK_D=block)
+                                                             BLOCK_D=block, **LAUNCH)
     return out

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import INTERPRETED, moe_blocks
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import act_quant
 from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
 
@@ -142,6 +143,7 @@ def _fp4_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr,
                         BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
                         NATIVE: tl.constexpr, PACKED: tl.constexpr, WORD_SCALES: tl.constexpr):
     """out = a W^T for one block of rows and BN columns; with SWIGLU, swiglu(a W^T, a V^T)."""
+    wait_for_inputs()
     count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
@@ -225,5 +227,5 @@ def experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, v=Non
     kernel[grid](aq, sa, a_rows, w, v, scales, v_scale, out, out_rows, *blocks, n, limit, aq.stride(0), sa.stride(0),
                  w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), K=k,
                  ACT_BLOCK=activation_block, BLOCK_M=bm, SWIGLU=swiglu, NATIVE=a.device.type == "cuda",
-                 PACKED=PACKED_E2M1_DECODE, WORD_SCALES=word_scales, **tiles)
+                 PACKED=PACKED_E2M1_DECODE, WORD_SCALES=word_scales, **tiles, **LAUNCH)
     return out

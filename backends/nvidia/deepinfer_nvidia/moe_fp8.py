@@ -26,6 +26,7 @@ import triton.language as tl
 
 from deepinfer.runtime.quantization import infer_block
 from deepinfer_nvidia import activation, moe_blocks
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_linear import _fp32_scales
 from deepinfer_nvidia.fp8_rounding import _native_fp8, act_quant
 from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
@@ -56,6 +57,7 @@ def _fp8_experts_kernel(a_ptr, sa_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr,
                         ROW_TILE: tl.constexpr, COL_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, SWIGLU: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """out = a W^T for one block of rows and BN columns; with SWIGLU, swiglu(a W^T, a V^T)."""
+    wait_for_inputs()
     count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
@@ -113,7 +115,7 @@ def fp8_experts(a, a_rows, out_rows, w, w_scale, blocks, bm, activation_block, c
                               aq.stride(0), sa.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1),
                               out.stride(0), K=k, ACT_BLOCK=activation_block, ROW_TILE=row_tile, COL_TILE=col_tile,
                               BLOCK_M=bm, BN=bn, BK=chunk, SWIGLU=swiglu, NATIVE_FP8=_native_fp8(a.device),
-                              num_warps=4, num_stages=3)
+                              num_warps=4, num_stages=3, **LAUNCH)
     return out
 
 

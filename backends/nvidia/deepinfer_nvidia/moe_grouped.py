@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import activation, moe_blocks, moe_mxfp4, moe_mxfp4_layout
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import fp8_rounded, swiglu_fp8_rounded
 
 # Rows per expert, on average over the layer's experts, from which the grouped GEMM serves a call: below, padding
@@ -86,6 +87,7 @@ def _dequant_fp4_kernel(codes_ptr, scales_ptr, out_ptr, rows, rows_per_expert, s
     """ROWS weight rows' BLOCK packed bytes -> as many 32-bit words of two bf16 values (the low nibble, the even
     column, in the low half: the little-endian order of the bf16 row), each code times its 32-column block's e8m0
     scale."""
+    wait_for_inputs()
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     expert, n = (row // rows_per_expert).to(tl.int64), (row % rows_per_expert).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -111,7 +113,7 @@ def dequantize_fp4_experts(codes: torch.Tensor, scales: torch.Tensor, out: torch
         grid = (triton.cdiv(experts * rows, tile_rows), triton.cdiv(half, block))
         _dequant_fp4_kernel[grid](codes, exponents, out.view(torch.int32), experts * rows, rows, codes.stride(0),
                                   codes.stride(1), exponents.stride(0), exponents.stride(1), HALF_K=half,
-                                  ROWS=tile_rows, BLOCK=block)
+                                  ROWS=tile_rows, BLOCK=block, **LAUNCH)
     return out[:experts]
 
 

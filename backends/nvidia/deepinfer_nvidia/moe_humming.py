@@ -34,6 +34,7 @@ import triton.language as tl
 from deepinfer import envs
 from deepinfer.logger import init_logger
 from deepinfer_nvidia import moe_blocks
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.fp8_rounding import fp8_rounded, swiglu_fp8_rounded
 from deepinfer_nvidia.moe_mxfp4_layout import LAYOUT_ATTRIBUTE
 
@@ -179,6 +180,7 @@ def _indexed_kernel(order_ptr, rows_ptr, start_ptr, sorted_ptr, padded_ptr, num_
                     BLOCK: tl.constexpr, SLOTS: tl.constexpr, COUNT_CHUNK: tl.constexpr):
     """Program b writes block b's ids (BLOCK of them, SLOTS its power of two); program 0 also counts the blocks with
     rows (they come first)."""
+    wait_for_inputs()
     b = tl.program_id(0)
     rows = tl.load(rows_ptr + b)
     start = tl.load(start_ptr + b)
@@ -202,7 +204,7 @@ def indexed_tables(topk_ids: torch.Tensor, experts: int, block: int):
     padded = torch.empty((), dtype=torch.int32, device=topk_ids.device)
     _indexed_kernel[(num_blocks,)](order, rows, start, sorted_ids, padded, num_blocks, topk_ids.numel(), BLOCK=block,
                                    SLOTS=triton.next_power_of_2(block),
-                                   COUNT_CHUNK=min(1024, triton.next_power_of_2(num_blocks)))
+                                   COUNT_CHUNK=min(1024, triton.next_power_of_2(num_blocks)), **LAUNCH)
     return sorted_ids, expert, padded
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import moe_blocks
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.moe_mxfp4_layout import CHUNK
 from deepinfer_nvidia.moe_blocks import e8m0_to_fp32
 
@@ -187,6 +188,7 @@ def _experts_kernel(a_ptr, a_rows_ptr, w_ptr, v_ptr, sw_ptr, sv_ptr, out_ptr, ou
     """out = a W^T for one block of rows (an expert's) and BN columns; with SWIGLU, swiglu(a W^T, a V^T). With K cut
     in SPLITS parts, program (.., .., s) writes part s's sums to ``out[s]`` (and the up projection's to
     ``out[SPLITS + s]``) for ``_reduce_splits``."""
+    wait_for_inputs()
     count = tl.load(block_rows_ptr + tl.program_id(0))
     if count == 0:  # a surplus block of the shape-sized grid
         return
@@ -220,6 +222,7 @@ def _reduce_splits(parts_ptr, out_ptr, N, stride_split, limit, SPLITS: tl.conste
                    BLOCK: tl.constexpr):
     """out[row] = the sum of the SPLITS partial sums of a row (in split order: the same bits every run), or swiglu of
     the gate's and the up projection's sums."""
+    wait_for_inputs()
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     row = tl.program_id(0).to(tl.int64) * N + offs
@@ -287,11 +290,11 @@ def experts(a: torch.Tensor, a_rows, out_rows, w, w_scale, blocks, bm: int, v=No
     _experts_kernel[grid](a, a_rows, w, v, scales, v_scales, partial, out_rows, *blocks, n, limit,
                           a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
                           rows * n, K=k, BLOCK_M=bm, BN=bn, SWIGLU=swiglu, SPLITS=parts, UNROLL=unroll, NATIVE=native,
-                          EVEN_N=n % bn == 0, **tuning)
+                          EVEN_N=n % bn == 0, **tuning, **LAUNCH)
     if parts > 1 and rows:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_splits[(rows, triton.cdiv(n, block))](partial, out, n, rows * n, limit, SPLITS=parts, SWIGLU=swiglu,
-                                                      BLOCK=block)
+                                                      BLOCK=block, **LAUNCH)
     return out
 
 
@@ -299,6 +302,7 @@ def experts(a: torch.Tensor, a_rows, out_rows, w, w_scale, blocks, bm: int, v=No
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, rows, stride_wr, stride_sr, K: tl.constexpr, ROWS: tl.constexpr):
     """ROWS repacked weight rows (of all experts, flattened: 16-row blocks never straddle two) -> bf16 [ROWS, K], the
     grouped GEMM's operand, a 64-column chunk at a time with the interpreter's decode (plain Triton, no PTX)."""
+    wait_for_inputs()
     n0 = tl.program_id(0) * ROWS
     row = n0 + tl.arange(0, ROWS)
     ok = row < rows
@@ -322,5 +326,5 @@ def dequantize(repacked: torch.Tensor, scales: torch.Tensor, out: torch.Tensor |
         tile_rows = 16
         _dequant_kernel[(triton.cdiv(experts * rows, tile_rows),)](
             repacked, scales.view(torch.int16), out, experts * rows, half, 2 * half // 64, K=2 * half,
-            ROWS=tile_rows)
+            ROWS=tile_rows, **LAUNCH)
     return out[:experts]

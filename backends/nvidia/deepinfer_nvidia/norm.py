@@ -7,11 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
+
 MAX_WIDTH = 1 << 15
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, stride_x, weight_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr):
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -36,5 +39,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         block = triton.next_power_of_2(width)
         stride = x.stride(0) if x.dim() == 2 else width
         _rms_norm_kernel[(rows,)](x, stride, x if weight is None else weight.contiguous(), out, width, eps, BLOCK_D=block,
-                                  WEIGHTED=weight is not None, num_warps=min(16, max(4, block // 1024)))
+                                  WEIGHTED=weight is not None, num_warps=min(16, max(4, block // 1024)), **LAUNCH)
     return out

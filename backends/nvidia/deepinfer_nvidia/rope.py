@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
+
 
 @triton.jit
 def _rotate_kernel(x_ptr, stride_xt, stride_xh, phases_ptr, stride_pt, out_ptr, stride_ot, stride_oh, D, NOPE_PAIRS,
                    INVERSE: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pair = tl.arange(0, BLOCK_PAIRS)
@@ -50,5 +53,5 @@ def rotate(x: torch.Tensor, phases: torch.Tensor, rope_dim: int, inverse: bool =
     if tokens:
         _rotate_kernel[(tokens, heads)](rows, rows.stride(0), rows.stride(1), pairs, pairs.stride(0), out,
                                         out.stride(0), out.stride(1), dim, (dim - rope_dim) // 2, INVERSE=inverse,
-                                        BLOCK_PAIRS=triton.next_power_of_2(dim // 2))
+                                        BLOCK_PAIRS=triton.next_power_of_2(dim // 2), **LAUNCH)
     return out.view(x.shape)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.plugins.interfaces import RouterWeights
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 
 SCORE_CODES = {"sqrtsoftplus": 0, "softmax": 1, "sigmoid": 2}
 MAX_EXPERTS = 4096  # one token's scores in registers: E_PAD fp32 and a few like them per program
@@ -41,6 +42,7 @@ def _logits_kernel(x_ptr, w_ptr, logits_ptr, T, E, H, stride_x, stride_w, H_PAD:
 
     The experts' whole rows are loaded at once (all of a program's weight bytes in flight: what decode waits on),
     then each token's row is multiplied by them and summed over k in the same layout, so in the same order."""
+    wait_for_inputs()
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     expert_ok = experts < E
     k = tl.arange(0, H_PAD)
@@ -84,6 +86,7 @@ def _select_kernel(logits_ptr, bias_ptr, token_ids_ptr, tid2eid_ptr, stride_tabl
                    HASH: tl.constexpr, NORMALIZE: tl.constexpr):
     """One token's experts and weights from its logits (one token a program: its reductions never wait on another
     token's, and their order cannot depend on how many tokens the step has)."""
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     expert_ok = e < E
@@ -157,7 +160,7 @@ def route(x: torch.Tensor, token_ids: torch.Tensor, router: RouterWeights, pinne
         block_e = max(1, LOGIT_ELEMENTS // h_pad)
         grid = (triton.cdiv(tokens, BLOCK_T), triton.cdiv(experts, block_e))
         _logits_kernel[grid](x, weight, logits, tokens, experts, hidden, x.stride(0), weight.stride(0), H_PAD=h_pad,
-                             BLOCK_T=BLOCK_T, BLOCK_E=block_e, num_warps=LOGIT_WARPS)
+                             BLOCK_T=BLOCK_T, BLOCK_E=block_e, num_warps=LOGIT_WARPS, **LAUNCH)
     hashed = router.tid2eid is not None
     # what the other kind of layer reads stands in for what this one does not
     table, token_ids = (router.tid2eid.contiguous(), token_ids.contiguous()) if hashed else (ids, ids)
@@ -166,5 +169,5 @@ def route(x: torch.Tensor, token_ids: torch.Tensor, router: RouterWeights, pinne
     _select_kernel[(tokens,)](logits, bias, token_ids, table, table.stride(0), ids, weights, experts,
                               float(router.route_scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
                               E_PAD=e_pad, SCORE=SCORE_CODES[router.scoring_func], HASH=hashed,
-                              NORMALIZE=bool(router.norm_topk_prob), num_warps=min(8, max(1, e_pad // 256)))
+                              NORMALIZE=bool(router.norm_topk_prob), num_warps=min(8, max(1, e_pad // 256)), **LAUNCH)
     return ids, weights

@@ -12,12 +12,14 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia import INTERPRETED
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 
 BLOCK = 256 if INTERPRETED else 8192
 
 
 @triton.jit
 def _argmax_kernel(logits_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+    wait_for_inputs()
     row = logits_ptr + tl.program_id(0).to(tl.int64) * stride
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -44,7 +46,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows and vocab:
-        _argmax_kernel[(rows,)](logits, out, vocab, logits.stride(0), BLOCK=BLOCK, num_warps=16)
+        _argmax_kernel[(rows,)](logits, out, vocab, logits.stride(0), BLOCK=BLOCK, num_warps=16, **LAUNCH)
     elif rows:
         raise ValueError("greedy_tokens: an empty vocabulary has no argmax")
     return out

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.runtime.slots import PaddedSlots, SlotLayout
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 
 BLOCK_CANDIDATES = 256
 
@@ -30,6 +31,7 @@ def _slot(table_row, blocks, pos, rows, span, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def _window_kernel(positions_ptr, owner_ptr, table_ptr, stride_table, blocks, rows, span, scratch, window_ptr,
                    written_ptr, W, BLOCK_SIZE: tl.constexpr, W_PAD: tl.constexpr):
+    wait_for_inputs()
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
     table_row = table_ptr + tl.load(owner_ptr + token) * stride_table
@@ -48,6 +50,7 @@ def _compressed_kernel(positions_ptr, owner_ptr, comp_ptr, stride_comp, comp_blo
                        BLOCK_C: tl.constexpr, STATE_PAD: tl.constexpr):
     """Program (token, chunk): that chunk of the token's candidates; chunk 0 also the token's state row, its
     close row (pooled rows, new entry's slot and position: -1 / scratch where its window does not close)."""
+    wait_for_inputs()
     token = tl.program_id(0)
     chunk = tl.program_id(1)
     position = tl.load(positions_ptr + token)
@@ -94,7 +97,7 @@ def padded_slots(layout: SlotLayout, inputs) -> PaddedSlots:
     swa_slots = torch.empty(tokens, dtype=torch.int64, device=device)
     if tokens:
         _window_kernel[(tokens,)](positions, owner, *_table(layout, inputs, "swa"), window, swa_slots, w,
-                                  BLOCK_SIZE=size, W_PAD=triton.next_power_of_2(w))
+                                  BLOCK_SIZE=size, W_PAD=triton.next_power_of_2(w), **LAUNCH)
     compressed = {}
     for ratio, overlap in layout.overlaps.items():
         width = inputs.candidates[ratio]
@@ -109,6 +112,7 @@ def padded_slots(layout: SlotLayout, inputs) -> PaddedSlots:
             grid = (tokens, max(1, triton.cdiv(width, BLOCK_CANDIDATES)))
             _compressed_kernel[grid](positions, owner, *comp, *state, candidates, width, close_rows, state_slots,
                                      close_slots, close_positions, RATIO=ratio, OVERLAP=overlap, BLOCK_SIZE=size,
-                                     BLOCK_C=BLOCK_CANDIDATES, STATE_PAD=triton.next_power_of_2(max(1, overlap * ratio)))
+                                     BLOCK_C=BLOCK_CANDIDATES, STATE_PAD=triton.next_power_of_2(max(1, overlap * ratio)),
+                                     **LAUNCH)
         compressed[ratio] = (state_slots, candidates, close_rows, close_slots, close_positions)
     return PaddedSlots(window, swa_slots, compressed)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.runtime import fp8_kv
+from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.kv_store import NOPE as FP8_NOPE
 from deepinfer_nvidia.kv_store import PAGE as FP8_PAGE
 from deepinfer_nvidia.kv_store import PAGE_BYTES as FP8_PAGE_BYTES
@@ -107,6 +108,7 @@ def _attention_kernel(q_ptr, stride_qt, stride_qh, a_ptr, a_bytes_ptr, stride_a,
                       out_ptr, stride_ot, stride_oh, part_ptr, stat_ptr, H, splits_total, split_base, qk_scale,
                       D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_B: tl.constexpr,
                       FINAL: tl.constexpr, NATIVE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)  # token * stride overflows int32 in long prefills
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -148,6 +150,7 @@ def _merge_kernel(part_ptr, stat_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh, 
     """One (token, head): ``sum_s 2^(m_s - top) acc_s / (sum_s 2^(m_s - top) l_s + 2^(sink - top))``, where
     ``top`` is the largest of the splits' maxima and the sink (all in log2 units); ``part`` is [T, H, total, D] and
     ``stat`` [2, T, H, total], both fp32 and contiguous."""
+    wait_for_inputs()
     token, head = tl.program_id(0), tl.program_id(1)
     row = token * num_heads + head
     offs_s = tl.arange(0, SPLITS)
@@ -174,6 +177,7 @@ def _merge_normalized_kernel(a_ptr, stride_at, stride_ah, lse_a_ptr, stride_lat,
     """One (token, head) from two sources' attention outputs, each normalized over its own keys, and their
     natural-log sums: ``(e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b + e^sink)`` in fp32; a source without keys
     (lse +inf) weighs 0."""
+    wait_for_inputs()
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_d = tl.arange(0, D)
     lse_a = tl.load(lse_a_ptr + token * stride_lat + head)
@@ -193,6 +197,7 @@ def _merge_normalized_kernel(a_ptr, stride_at, stride_ah, lse_a_ptr, stride_lat,
 def _indexer_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, k_ptr, stride_k, c_ptr, stride_ct, stride_cc,
                     out_ptr, stride_ot, H, C, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
                     TILES: tl.constexpr, NATIVE: tl.constexpr, PRECISION: tl.constexpr):
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
@@ -307,10 +312,10 @@ def sparse_attention(q, sources, sinks, scale, block_h: int | None = None, split
             *_pool_args(b), ib, ib.stride(0), ib.stride(1), ib.shape[1], tiles_b,
             sinks, out, out.stride(0), out.stride(1), part, stat, num_heads, total, g * splits, scale * LOG2E,
             D=dim, BLOCK_H=block_h, BLOCK_N=block_n, HAS_B=len(group) == 2, FINAL=final, FP8=fp8,
-            num_warps=8 if row_bytes >= 512 else 4, num_stages=2, **options)
+            num_warps=8 if row_bytes >= 512 else 4, num_stages=2, **options, **LAUNCH)
     if not final:  # each split carries sum(2^(s - m) v), its max m and denominator l (log2 units)
         _merge_kernel[(num_tokens, num_heads)](part, stat, sinks, out, out.stride(0), out.stride(1), num_heads, total,
-                                               LOG2E, D=dim, SPLITS=triton.next_power_of_2(total))
+                                               LOG2E, D=dim, SPLITS=triton.next_power_of_2(total), **LAUNCH)
     return out
 
 
@@ -333,5 +338,5 @@ def indexer_scores(q, weights, keys, candidates):
     _indexer_kernel[grid](q, q.stride(0), q.stride(1), weights, weights.stride(0), keys, keys.stride(0), candidates,
                           candidates.stride(0), candidates.stride(1), out, out.stride(0), num_heads, width, D=dim,
                           BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_C=block_c, TILES=tiles,
-                          **_launch_options(keys.dtype, q.device))
+                          **_launch_options(keys.dtype, q.device), **LAUNCH)
     return out

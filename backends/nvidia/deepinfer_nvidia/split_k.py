@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia.dependent_launch import wait_for_inputs
+
 
 @triton.jit
 def store_split(acc, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, offs_m, n_ok, m_ok, M, N, stride_y,
@@ -39,6 +41,7 @@ def store_split(acc, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, off
 @triton.jit
 def sum_splits_kernel(partial_ptr, y_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """``y`` = the splits' partial sums added in split order (the order ``SUM_HERE`` adds them in)."""
+    wait_for_inputs()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     acc = tl.load(partial_ptr + offs, mask=ok, other=0.0)
