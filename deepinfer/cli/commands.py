@@ -175,7 +175,12 @@ def run_draft_vocab(args) -> None:
         with open(path, encoding="utf-8") as f:
             texts.append(f.read())
     always = [t for t in (tokenizer.eos_token_id,) if t is not None]
-    ids = most_frequent_tokens(texts, lambda text: tokenizer.encode(text, add_special_tokens=False), args.size, always)
+
+    def encode(text: str) -> list[int]:
+        # a whole file is longer than the model's context, which the tokenizer would otherwise warn of
+        return tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+    ids = most_frequent_tokens(texts, encode, args.size, always)
     write_draft_vocab(args.output, ids, f"{len(texts)} corpus files with {args.model}'s tokenizer")
     print(f"wrote {len(ids)} token ids to {args.output}"
           + (f" (the corpus has {len(ids)} distinct tokens, fewer than --size {args.size})" if len(ids) < args.size
