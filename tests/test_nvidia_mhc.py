@@ -196,3 +196,40 @@ def test_strided_weights_are_read_as_given():
     streams = torch.randn(3, 4, 64, generator=g).to(DEVICE)
     pre = torch.rand(4, 3, generator=g).to(DEVICE).T  # a transposed view
     torch.testing.assert_close(TritonMHC().collapse(streams, pre), mhc_collapse(streams, pre), rtol=1e-5, atol=1e-5)
+
+
+def _engram_inputs(tokens: int, n: int, width: int, dtype: torch.dtype, seed: int):
+    """Streams, and key and value as the Engram's projection returns them: views of one [T, (n + 1) D] output."""
+    g = torch.Generator().manual_seed(seed)
+    streams = (torch.randn(tokens, n, width, generator=g) * 2).to(dtype)
+    projected = torch.randn(tokens, (n + 1) * width, generator=g).to(dtype)
+    key, value = projected.split((n * width, width), dim=-1)
+    q_weight, k_weight = (1 + 0.1 * torch.randn(2, n, width, generator=g)).to(dtype).unbind(0)
+    return [t.to(DEVICE) for t in (streams, key.unflatten(-1, (n, width)), value, q_weight, k_weight)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, n, width", [(1, 4, 5120), (3, 4, 100), (37, 2, 64), (0, 4, 64), (2, 4, 9000)])
+def test_engram_gate_matches_the_reference(tokens, n, width, dtype):
+    streams, key, value, q_weight, k_weight = _engram_inputs(tokens, n, width, dtype, seed=tokens + width)
+    ours = TritonMHC().engram_gate(streams, key, value, q_weight, k_weight, 1e-6)
+    reference = TorchMHC().engram_gate(streams, key, value, q_weight, k_weight, 1e-6)
+    assert ours.shape == (tokens, n, width) and ours.dtype == dtype
+    # the gates agree to fp32 rounding; a bf16 output may then round one way or the other
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+    torch.testing.assert_close(ours, reference, **tolerance)
+    if tokens:  # the gate moved the streams: the check above would not notice a kernel that returned its input
+        assert (reference.float() - streams.float()).abs().max() > 0.1
+
+
+def test_engram_gate_replays_in_a_cuda_graph():
+    if DEVICE.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    streams, key, value, q_weight, k_weight = _engram_inputs(2, 4, 5120, torch.bfloat16, seed=5)
+    mhc = TritonMHC()
+    eager = mhc.engram_gate(streams, key, value, q_weight, k_weight, 1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = mhc.engram_gate(streams, key, value, q_weight, k_weight, 1e-6)
+    graph.replay()
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=0)

@@ -191,6 +191,13 @@ class MHCBackend(Protocol):
         """The new streams [T, n, D]: ``post[:, o] * output + sum_i comb[:, i, o] * streams[:, i]`` computed in fp32
         and rounded once to the output's dtype (``deepinfer.runtime.ops.mhc_expand``)."""
 
+    def engram_gate(self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
+                    k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """V4.1's Engram on the streams [T, n, D]: stream i plus ``value`` [T, D] times ``sigmoid(s sqrt|dot|)``, s
+        the sign of ``dot``, the fp32 dot product of the RMS-normalized (``eps``) stream and ``key[:, i]`` [T, n, D]
+        weighted by ``q_weight[i] * k_weight[i]`` ([n, D]) over sqrt(D); rounded once to the streams' dtype
+        (``deepinfer.runtime.ops.engram_gate``)."""
+
 
 @dataclass(slots=True)
 class ExpertWeights:

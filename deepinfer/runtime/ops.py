@@ -130,6 +130,18 @@ def mhc_expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, 
     return (update + mixed).to(output.dtype)
 
 
+def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``MHCBackend.engram_gate`` in torch: each stream plus the memory's value, gated by how much the stream's
+    RMS-normalized state agrees with the memory's key for it (DeepSeek-V4.1's Engram)."""
+    hidden, key = streams.float(), key.float()
+    rstd = torch.rsqrt(hidden.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (hidden * (q_weight.float() * k_weight.float()) * key).sum(-1) * rstd * hidden.shape[-1] ** -0.5
+    # a sigmoid of the signed square root keeps the gate responsive for small and large similarities alike
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    return (hidden + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+
+
 def compress_pool(state: torch.Tensor, rows: torch.Tensor, ratio: int, overlap: int, norm_weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
     """``AttentionBackend.compress_pool`` in torch (every backend's reference)."""

@@ -4,7 +4,8 @@ token; ``TritonMHC``, the backend.
 The weights themselves (the logits' projection and the Sinkhorn loop) are ``mhc_weights.py``'s kernels.
 
 The collapse (a weighted sum of the n streams) and the expansion (the mix of the old streams plus the sublayer's
-output) are a few element-wise torch ops each; here each is one pass over the streams in fp32.
+output) are a few element-wise torch ops each; here each is one pass over the streams in fp32. So is V4.1's Engram
+gate (about 25 torch ops in the reference).
 """
 
 from __future__ import annotations
@@ -113,6 +114,42 @@ def _expand_kernel(streams_ptr, stride_st, stride_sn, output_ptr, stride_o, post
     new = post[:, None] * output[None, :] + tl.sum(comb[:, :, None] * streams[:, None, :], axis=0)
     tl.store(out_ptr + (token * N + i[:, None]) * D + offs[None, :], new.to(out_ptr.dtype.element_ty),
              mask=ok[None, :])
+
+
+@triton.jit
+def _engram_gate_kernel(streams_ptr, stride_st, stride_sn, key_ptr, stride_kt, stride_kn, value_ptr, stride_v,
+                        q_weight_ptr, k_weight_ptr, out_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One stream of one token (out is contiguous [T, N, D]): its three sums first, then the gated value added.
+    V4.1-Flash's 5120 channels are one tile, so each pass is one round of loads."""
+    wait_for_inputs()
+    token = tl.program_id(0).to(tl.int64)
+    stream = tl.program_id(1)
+    row = streams_ptr + token * stride_st + stream * stride_sn
+    key_row = key_ptr + token * stride_kt + stream * stride_kn
+    squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+    key_squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+    products = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in tl.static_range(0, D, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        ok = offs < D
+        hidden = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+        key = tl.load(key_row + offs, mask=ok, other=0.0).to(tl.float32)
+        weight = (tl.load(q_weight_ptr + stream * D + offs, mask=ok, other=0.0).to(tl.float32)
+                  * tl.load(k_weight_ptr + stream * D + offs, mask=ok, other=0.0).to(tl.float32))
+        squares += hidden * hidden
+        key_squares += key * key
+        products += hidden * weight * key
+    rstd = tl.rsqrt(tl.sum(squares, axis=0) / D + eps) * tl.rsqrt(tl.sum(key_squares, axis=0) / D + eps)
+    dot = tl.sum(products, axis=0) * rstd * (1.0 / tl.sqrt(D * 1.0))
+    root = tl.sqrt(tl.maximum(tl.abs(dot), 1e-6))
+    gate = tl.sigmoid(tl.where(dot < 0, -root, root))
+    for start in tl.static_range(0, D, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        ok = offs < D
+        hidden = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+        value = tl.load(value_ptr + token * stride_v + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (token * tl.num_programs(1) + stream) * D + offs,
+                 (hidden + gate * value).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _checked(streams: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -236,6 +273,19 @@ class TritonMHC:
             _collapse_kernel[(tokens,)](streams, streams.stride(0), streams.stride(1), pre, pre if weight is None else
                                         weight, out, out.stride(0), width, eps, N=n, NORM=norm,
                                         **_collapse_tiles(width), **LAUNCH)
+        return out
+
+    def engram_gate(self, streams, key, value, q_weight, k_weight, eps):
+        tokens, n, width = streams.shape
+        if streams.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+            streams, key, value = streams.contiguous(), key.contiguous(), value.contiguous()
+        out = torch.empty(tokens, n, width, dtype=streams.dtype, device=streams.device)
+        if tokens:
+            _engram_gate_kernel[(tokens, n)](streams, streams.stride(0), streams.stride(1), key, key.stride(0),
+                                             key.stride(1), value, value.stride(0), q_weight.contiguous(),
+                                             k_weight.contiguous(), out, eps, D=width,
+                                             BLOCK_D=min(ONE_PASS_MAX_WIDTH, triton.next_power_of_2(width)),
+                                             num_warps=16 if width > 2048 else 4, **LAUNCH)
         return out
 
     def expand(self, streams, output, post, comb):

@@ -126,9 +126,10 @@ class NgramHasher:
 
 
 class Engram(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, mhc):
         super().__init__()
         c = config
+        self.mhc = mhc  # the gate on the streams is the hyper-connection backend's
         self.index = c.engram_layer_ids.index(layer_id)
         self.hidden, self.hc_mult, self.eps = c.hidden_size, c.hc_mult, c.rms_norm_eps
         lookups = (c.engram_max_ngram_size - 1) * c.engram_n_heads
@@ -150,10 +151,5 @@ class Engram(nn.Module):
         scales = torch.exp2(exponents.float() - 127).repeat_interleave(values.shape[-1] // exponents.shape[-1], -1)
         memory = (values.float() * scales).to(streams.dtype).flatten(1)  # e8m0: the byte is the biased exponent
         key, value = self.wkv(memory).split((self.hc_mult * self.hidden, self.hidden), dim=-1)
-        key = key.float().unflatten(-1, (self.hc_mult, self.hidden))
-        hidden = streams.float()
-        rstd = torch.rsqrt(hidden.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (hidden * (self.q_weight.float() * self.k_weight.float()) * key).sum(-1) * rstd * self.hidden**-0.5
-        # a sigmoid of the signed square root keeps the gate responsive for small and large similarities alike
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        return (hidden + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+        key = key.unflatten(-1, (self.hc_mult, self.hidden))
+        return self.mhc.engram_gate(streams, key, value, self.q_weight, self.k_weight, self.eps)

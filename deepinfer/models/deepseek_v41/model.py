@@ -78,7 +78,7 @@ class Block(nn.Module):
         self.attn = Attention(c, layer_id, rotary, attention)
         self.ffn = MoE(c, False, moe)
         self.ffn.gate.register_buffer("bias_vl", torch.zeros(c.n_routed_experts, dtype=torch.float32))
-        self.engram = Engram(c, layer_id) if layer_id in c.engram_layer_ids else None
+        self.engram = Engram(c, layer_id, mhc) if layer_id in c.engram_layer_ids else None
         self.mhc = mhc
 
     def forward(self, streams, pre, batch: ForwardBatch, phases, caches, selection, features: list | None = None,

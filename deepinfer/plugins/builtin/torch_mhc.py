@@ -1,9 +1,9 @@
 """Reference hyper-connections: the logits' projection, sigmoids and a Sinkhorn loop of small torch ops, the
-streams' collapse and expansion (``runtime.ops``)."""
+streams' collapse and expansion, and V4.1's Engram gate on them (``runtime.ops``)."""
 
 from __future__ import annotations
 
-from deepinfer.runtime.ops import mhc_coefficients, mhc_collapse, mhc_expand, mhc_logits
+from deepinfer.runtime.ops import engram_gate, mhc_coefficients, mhc_collapse, mhc_expand, mhc_logits
 from deepinfer.plugins.hookspecs import hookimpl
 
 
@@ -34,6 +34,9 @@ class TorchMHC:
 
     def expand(self, streams, output, post, comb):
         return mhc_expand(streams, output, post, comb)
+
+    def engram_gate(self, streams, key, value, q_weight, k_weight, eps):
+        return engram_gate(streams, key, value, q_weight, k_weight, eps)
 
 
 @hookimpl(trylast=True)
