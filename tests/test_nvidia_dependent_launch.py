@@ -68,6 +68,8 @@ def test_every_launch_passes_the_launch_option(module, line, call):
 
 @pytest.mark.parametrize("key", sorted(_kernels()), ids="{0[0]}:{0[1]}".format)
 def test_every_kernel_waits_before_its_inputs_and_writes(key):
+    """The wait is a top-level statement of the kernel (no branch can skip it), the first one unless the kernel is
+    known to read only its weights before it."""
     body = _kernels()[key].body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
@@ -76,8 +78,7 @@ def test_every_kernel_waits_before_its_inputs_and_writes(key):
     before = body[:waits[0]]
     if key[1] not in WEIGHTS_BEFORE_WAIT:
         assert not before, f"{key}: {WAIT}() must come first: {ast.unparse(before[0])}"
-    for statement in before:
-        assert not isinstance(statement, (ast.For, ast.While, ast.If)), f"{key}: a loop or branch before {WAIT}()"
+    for statement in before:  # what may come first: reads of weights (the allowlist's word), never a write
         assert not _writes(statement), f"{key} writes before {WAIT}(): {ast.unparse(statement)}"
 
 

@@ -187,6 +187,24 @@ if CUDA:
 
 
 @pytest.mark.parametrize("out, cols, block", GEMV_SHAPES)
+def test_one_row_gemv_reads_ahead_without_changing_a_bit(out, cols, block, monkeypatch):
+    """Two chunks of weights in flight (``GEMV_AHEAD``) multiply and add in the same order as one."""
+    from deepinfer_nvidia import fp8_gemv
+
+    g = torch.Generator().manual_seed(out * cols)
+    weight, scale = quantize_fp8(torch.randn(out, cols, generator=g) * cols**-0.5, block, block)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = _inputs(1, cols, seed=cols, dtype=torch.bfloat16)
+    monkeypatch.setattr(fp8_gemv, "GEMV", True)
+    results = []
+    for ahead in (1, 2):
+        monkeypatch.setattr(fp8_gemv, "GEMV_AHEAD", ahead)
+        results.append(TritonLinear().linear(x, weight, scale, block))
+    assert torch.equal(results[0], results[1])
+    assert results[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("out, cols, block", GEMV_SHAPES)
 def test_one_row_gemv_matches_the_reference_and_the_tensor_core_path(out, cols, block, monkeypatch):
     """A one-row bf16 call goes to the CUDA-core GEMV: within the reference's bound (its products in fp32, summed
     in another order), on weights with e4m3 subnormals too, and close to the tensor-core kernel's result."""

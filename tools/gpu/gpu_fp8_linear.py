@@ -43,6 +43,10 @@ STRATEGIES = {
     "gemv, 3 programs an SM": {"GEMV_PROGRAMS_PER_SM": 3},
     "gemv, 4 warps, 12 an SM": {"GEMV_TILES": {"BN": 32, "KB": 256, "num_warps": 4}, "GEMV_PROGRAMS_PER_SM": 12},
     "gemv, 128-byte steps, 1 warp": {"GEMV_TILES": {"BN": 32, "KB": 128, "num_warps": 1}, "GEMV_PROGRAMS_PER_SM": 16},
+    # more weight bytes in flight a program: a second chunk read ahead, or wider chunks over more warps
+    "gemv, two chunks ahead": {"GEMV_AHEAD": 2},
+    "gemv, two chunks ahead, 5 an SM": {"GEMV_AHEAD": 2, "GEMV_PROGRAMS_PER_SM": 5},
+    "gemv, 512-byte steps, 4 warps": {"GEMV_TILES": {"BN": 32, "KB": 512, "num_warps": 4, "num_stages": 1}},
     # speculative verification steps: 6 rows a request, 192 at batch 32 (the autotuned GEMM's range by default)
     "few-rows kernel to 256 rows": {"FEW_ROWS": 256},
     "few-rows kernel to 256 rows, 8 warps": {"FEW_ROWS": 256, "FEW_ROWS_TILES": {"BN": 64, "num_warps": 8,

@@ -63,15 +63,16 @@ def _e4m3_rounded(x, sx, NATIVE_FP8: tl.constexpr):
 def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, K, stride_w, stride_sw,
                      NUM_BLOCKS: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
                      W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr, BN: tl.constexpr,
-                     KB: tl.constexpr):
+                     KB: tl.constexpr, AHEAD: tl.constexpr):
     """``y``'s BN columns for one row on the CUDA cores. The weight is read as int32 words (``w_ptr``, ``stride_w``
     in words) and the bf16 activations as int64 words (``x_ptr``), four columns each: each weight row's KB bytes a
     step are one contiguous run, each weight word widened to four fp32 values that meet its four rounded
     activations times both scales: a program's BN rows lie in one ``W_ROW_TILE``-row scale tile, so each
     activation segment meets one weight scale. The activations are rounded here, as
-    ``act_quant`` rounds them (bit for bit); each program reads its next chunk of weights before it multiplies
-    the current one. K splits and their sum work as ``split_k`` says. The first chunk of weights is read before the
-    previous kernel's output is awaited (``dependent_launch``): no kernel writes weights."""
+    ``act_quant`` rounds them (bit for bit); each program reads the chunk of weights ``AHEAD`` (1 or 2) chunks on
+    before it multiplies the current one. K splits and their sum work as ``split_k`` says. The first chunks of
+    weights are read before the previous kernel's output is awaited (``dependent_launch``): no kernel writes
+    weights."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     SEGMENTS: tl.constexpr = KB // BK
@@ -86,12 +87,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
     rows = w_ptr + offs_n[:, None, None] * stride_w
     acc = tl.zeros((BN, SEGMENTS, WORDS), dtype=tl.float32)
     w = tl.load(rows + word[None, :, :], mask=n_ok[:, None, None] & (word < words)[None, :, :], other=0)
+    if AHEAD == 2:
+        w_ahead = tl.load(rows + (word + KB // 4)[None, :, :],
+                          mask=n_ok[:, None, None] & ((word + KB // 4 < words) & (CHUNKS_PER_SPLIT > 1))[None, :, :],
+                          other=0)
     wait_for_inputs()
     for chunk in range(CHUNKS_PER_SPLIT):
-        next_word = word + KB // 4
-        w_next = tl.load(rows + next_word[None, :, :],
-                         mask=n_ok[:, None, None] & ((next_word < words) & (chunk + 1 < CHUNKS_PER_SPLIT))[None, :, :],
-                         other=0)
+        far_word = word + AHEAD * (KB // 4)
+        far_ok = (far_word < words) & (chunk + AHEAD < CHUNKS_PER_SPLIT)
+        w_far = tl.load(rows + far_word[None, :, :], mask=n_ok[:, None, None] & far_ok[None, :, :], other=0)
         xw = tl.load(x_ptr + word, mask=word < words, other=0)  # four bf16 columns a word, like the weight's
         x0, x1, x2, x3 = _bf16_word(xw, 0), _bf16_word(xw, 16), _bf16_word(xw, 32), _bf16_word(xw, 48)
         amax = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
@@ -103,7 +107,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
         acc += w1 * (_e4m3_rounded(x1, sx, NATIVE_FP8) * scale)[None, :, :]
         acc += w2 * (_e4m3_rounded(x2, sx, NATIVE_FP8) * scale)[None, :, :]
         acc += w3 * (_e4m3_rounded(x3, sx, NATIVE_FP8) * scale)[None, :, :]
-        w, word = w_next, next_word
+        if AHEAD == 2:
+            w, w_ahead = w_ahead, w_far
+        else:
+            w = w_far
+        word += KB // 4
     total = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # [BN, 1]
     store_split(total, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, tl.arange(0, 1), n_ok,
                 tl.arange(0, 1) < 1, 1, N, N, SPLITS, True)
@@ -113,6 +121,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
 # scale tile (V4.1's are 32 rows), KB columns hold whole activation segments.
 GEMV = True
 GEMV_TILES = {"BN": 32, "KB": 256, "num_warps": 2, "num_stages": 1}
+# Chunks of weights each program has in flight while it multiplies one: 2 holds another chunk's registers
+GEMV_AHEAD = 1
 # Programs a call wants per SM before K is split (measured on the H200 at V4.1-Flash's projections, one row: 3 gave
 # 82.4 us a layer, 5 90.3, 10 91.5; the tensor-core kernel 95.6)
 GEMV_PROGRAMS_PER_SM = 3
@@ -142,4 +152,5 @@ def gemv(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, weight_
     _fp8_gemv_kernel[(tiles, splits)](
         flat.view(torch.int64), weight.view(torch.int32), scales, y, partials, arrival_counters(flat.device, tiles),
         n, k, weight.stride(0) // 4, scales.stride(0), NUM_BLOCKS=triton.cdiv(k, block), CHUNKS_PER_SPLIT=per_split,
-        SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), **meta, **LAUNCH)
+        SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), AHEAD=GEMV_AHEAD,
+        **meta, **LAUNCH)
