@@ -1,8 +1,9 @@
 """Programmatic dependent launch (SM90 and later): every kernel of this plugin is launched with ``LAUNCH`` and calls
 ``wait_for_inputs()`` before it reads what an earlier kernel wrote or writes anything. The GPU then starts a kernel's
-programs while the kernel before it in the stream is still finishing, instead of after it drained: a decode step at
-batch 1 is ~400 short kernels, each paying its launch, ramp and tail. A kernel may read what no kernel writes (its
-weights) before it waits. ``DEEPINFER_DEPENDENT_LAUNCH=0`` launches them one after another as before.
+programs while the kernel before it in the stream is still finishing, instead of after it drained, which hides each
+kernel's start-up behind its predecessor's tail: a batch-1 decode step is ~400 short kernels (measured: 1.5% of
+V4.1's step on an H100, BENCHMARKS.md). A kernel may read what no kernel writes (its weights) before it waits.
+``DEEPINFER_DEPENDENT_LAUNCH=0`` launches them one after another as before.
 
 A kernel launched with ``LAUNCH`` that does not wait would race its predecessor:
 ``tests/test_nvidia_dependent_launch.py`` checks every launch and every launched kernel of the package.
