@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "backends" / "nvidia" / "deepinfer_nvidia"
 # kernels that read their weights (written at load time, never by the kernel just before) before they wait
-WEIGHTS_BEFORE_WAIT = {"_fp8_gemv_kernel"}
+WEIGHTS_BEFORE_WAIT = {"_fp8_gemv_kernel", "_logits_kernel"}
 WAIT = "wait_for_inputs"
 
 

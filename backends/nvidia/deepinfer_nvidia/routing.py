@@ -41,14 +41,15 @@ def _logits_kernel(x_ptr, w_ptr, logits_ptr, T, E, H, stride_x, stride_w, H_PAD:
     """logits[t, e] = sum_k x[t, k] w[e, k] in fp32 for BLOCK_T tokens and BLOCK_E experts.
 
     The experts' whole rows are loaded at once (all of a program's weight bytes in flight: what decode waits on),
-    then each token's row is multiplied by them and summed over k in the same layout, so in the same order."""
-    wait_for_inputs()
+    before the previous kernel's output is awaited (``dependent_launch``: no kernel writes them), then each token's
+    row is multiplied by them and summed over k in the same layout, so in the same order."""
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     expert_ok = experts < E
     k = tl.arange(0, H_PAD)
     k_ok = k < H
     w = tl.load(w_ptr + experts.to(tl.int64)[:, None] * stride_w + k[None, :],
                 mask=expert_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    wait_for_inputs()
     for t in tl.static_range(BLOCK_T):
         row = tl.program_id(0) * BLOCK_T + t
         if row < T:  # the last block's missing tokens cost nothing
