@@ -5,6 +5,7 @@ package's source, so they run without a GPU; the kernels' results with it on are
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,13 @@ WAIT = "wait_for_inputs"
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {path.name: ast.parse(path.read_text()) for path in sorted(PACKAGE.glob("*.py"))}
+    return _parsed(PACKAGE)
+
+
+@functools.cache
+def _parsed(package: Path) -> dict[str, ast.Module]:
+    """Each module of ``package`` parsed once, for every parametrized check."""
+    return {path.name: ast.parse(path.read_text()) for path in sorted(package.glob("*.py"))}
 
 
 def _is_jit(function: ast.FunctionDef) -> bool:

@@ -24,6 +24,12 @@ ATTENTION_POINTERS = {"q_ptr": "*bf16", "ia_ptr": "*i64", "ib_ptr": "*i64", "sin
 EXPERT_POINTERS = {"a_rows_ptr": "*i32", "out_ptr": "*fp32", "out_rows_ptr": "*i32", "block_expert_ptr": "*i32",
                    "block_start_ptr": "*i32", "block_rows_ptr": "*i32"}
 
+GEMV_POINTERS = {"x_ptr": "*i64", "w_ptr": "*i32", "sw_ptr": "*fp32", "y_ptr": "*bf16", "partial_ptr": "*fp32",
+                 "arrivals_ptr": "*i32"}
+GEMV_CONSTEXPRS = {"NUM_BLOCKS": 160, "CHUNKS_PER_SPLIT": 5, "SPLITS": 4, "W_ROW_TILE": 32, "BK": 32,
+                   "NATIVE_FP8": True, "BN": fp8_gemv.GEMV_TILES["BN"], "KB": fp8_gemv.GEMV_TILES["KB"],
+                   "AHEAD": fp8_gemv.GEMV_AHEAD}
+
 ROUNDING = {"ROWS": 1, "SEGMENTS": 32, "NATIVE_FP8": True, "ROUND_TRIP": False, "PAIRS_APART": False, "SWIGLU": False}
 
 CASES = {
@@ -43,17 +49,8 @@ CASES = {
                                           {"NUM_BLOCKS": 40, "BLOCKS_PER_SPLIT": 20, "SPLITS": 2, "W_ROW_TILE": 128,
                                            "BK": 128, "NATIVE_FP8": True, "BN": 128, "BM": 64, "QUANTIZE": False,
                                            "SUM_HERE": False}),
-    "fp8 gemv, one row": (fp8_gemv._fp8_gemv_kernel,
-                          {"x_ptr": "*i64", "w_ptr": "*i32", "sw_ptr": "*fp32", "y_ptr": "*bf16",
-                           "partial_ptr": "*fp32", "arrivals_ptr": "*i32"},
-                          {"NUM_BLOCKS": 160, "CHUNKS_PER_SPLIT": 5, "SPLITS": 4, "W_ROW_TILE": 32, "BK": 32,
-                           "NATIVE_FP8": True, "BN": fp8_gemv.GEMV_TILES["BN"], "KB": fp8_gemv.GEMV_TILES["KB"],
-                           "AHEAD": fp8_gemv.GEMV_AHEAD}),
-    "fp8 gemv, one row, two chunks ahead": (fp8_gemv._fp8_gemv_kernel,
-                                            {"x_ptr": "*i64", "w_ptr": "*i32", "sw_ptr": "*fp32", "y_ptr": "*bf16",
-                                             "partial_ptr": "*fp32", "arrivals_ptr": "*i32"},
-                                            {"NUM_BLOCKS": 160, "CHUNKS_PER_SPLIT": 5, "SPLITS": 4, "W_ROW_TILE": 32,
-                                             "BK": 32, "NATIVE_FP8": True, "BN": 32, "KB": 256, "AHEAD": 2}),
+    "fp8 gemv, one row": (fp8_gemv._fp8_gemv_kernel, GEMV_POINTERS, GEMV_CONSTEXPRS),
+    "fp8 gemv, one row, two chunks ahead": (fp8_gemv._fp8_gemv_kernel, GEMV_POINTERS, GEMV_CONSTEXPRS | {"AHEAD": 2}),
     "fp8 weight expanded to bf16": (fp8_bf16_gemm._expand_kernel, {"w_ptr": "*fp8e4nv", "sw_ptr": "*fp32",
                                                                    "out_ptr": "*bf16"},
                                     {"W_ROW_TILE": 32, "W_COL_TILE": 32, "BN": 32, "BK": 128}),
@@ -165,8 +162,7 @@ CASES = {
                                                       "weight_ptr": "*fp32", "out_ptr": "*bf16"},
                                {"N": 4, "BLOCK_D": 8192, "NORM": True, "ONE_PASS": True}),
     "engram gate": (mhc._engram_gate_kernel, {"streams_ptr": "*bf16", "key_ptr": "*bf16", "value_ptr": "*bf16",
-                                              "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "out_ptr": "*bf16",
-                                              "eps": "fp32"},
+                                              "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "out_ptr": "*bf16"},
                     {"D": 5120, "BLOCK_D": 8192}),
     "mhc expand": (mhc._expand_kernel, {"streams_ptr": "*bf16", "output_ptr": "*bf16", "post_ptr": "*fp32",
                                         "comb_ptr": "*fp32", "out_ptr": "*bf16"}, {"N": 4, "BLOCK_D": 1024}),

@@ -277,8 +277,7 @@ class TritonMHC:
 
     def engram_gate(self, streams, key, value, q_weight, k_weight, eps):
         tokens, n, width = streams.shape
-        if streams.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
-            streams, key, value = streams.contiguous(), key.contiguous(), value.contiguous()
+        streams, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (streams, key, value))
         out = torch.empty(tokens, n, width, dtype=streams.dtype, device=streams.device)
         if tokens:
             _engram_gate_kernel[(tokens, n)](streams, streams.stride(0), streams.stride(1), key, key.stride(0),
