@@ -46,7 +46,13 @@ STRATEGIES = {
     # more weight bytes in flight a program: a second chunk read ahead, or wider chunks over more warps
     "gemv, two chunks ahead": {"GEMV_AHEAD": 2},
     "gemv, two chunks ahead, 5 an SM": {"GEMV_AHEAD": 2, "GEMV_PROGRAMS_PER_SM": 5},
+    "gemv, two chunks ahead, 4 an SM": {"GEMV_AHEAD": 2, "GEMV_PROGRAMS_PER_SM": 4},
+    "gemv, two chunks ahead, 2 an SM": {"GEMV_AHEAD": 2, "GEMV_PROGRAMS_PER_SM": 2},
     "gemv, 512-byte steps, 4 warps": {"GEMV_TILES": {"BN": 32, "KB": 512, "num_warps": 4, "num_stages": 1}},
+    "gemv, 512-byte steps, 4 warps, two ahead": {"GEMV_TILES": {"BN": 32, "KB": 512, "num_warps": 4, "num_stages": 1},
+                                                 "GEMV_AHEAD": 2},
+    "gemv, 512-byte steps, 8 warps, two ahead": {"GEMV_TILES": {"BN": 32, "KB": 512, "num_warps": 8, "num_stages": 1},
+                                                 "GEMV_AHEAD": 2},
     # speculative verification steps: 6 rows a request, 192 at batch 32 (the autotuned GEMM's range by default)
     "few-rows kernel to 256 rows": {"FEW_ROWS": 256},
     "few-rows kernel to 256 rows, 8 warps": {"FEW_ROWS": 256, "FEW_ROWS_TILES": {"BN": 64, "num_warps": 8,
