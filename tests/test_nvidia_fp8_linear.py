@@ -335,3 +335,49 @@ def test_row_counts_of_one_tile_size_share_one_build():
             ours = linear.linear(_inputs(tokens, 512, seed=tokens, dtype=torch.bfloat16), weight, scale, 32)
             assert ours.shape == (tokens, 256)
         assert kernel_compiles.count() == built, counts
+
+
+# (tokens, groups, rows a group, columns, block): V4.1-Flash's wo_a is 8 groups of 1024 rows over 4096 columns in
+# 32 x 32 tiles (V4's: 128 x 128). One row goes to the GEMV, more to cuBLAS on the expanded weight
+GROUPED_SHAPES = [(1, 2, 32, 96, 32), (1, 4, 64, 128, 32), (3, 2, 32, 96, 32)]
+if CUDA:
+    GROUPED_SHAPES += [(1, 8, 1024, 4096, 32), (1, 8, 1024, 4096, 128), (1, 3, 96, 4100, 32), (6, 8, 1024, 4096, 32),
+                       (64, 8, 1024, 4096, 32)]
+
+
+@pytest.mark.parametrize("tokens, groups, rows, cols, block", GROUPED_SHAPES)
+def test_grouped_projection_matches_the_dequantized_weight(tokens, groups, rows, cols, block):
+    """An FP8 ``wo_a``: each group's slice of the row times its rows of the weight, the activations unrounded (FP8
+    rounding would be off by up to 2^-4), as the release's dequantized copy multiplies them: within fp32 summation
+    order and one step of the bf16 output (the interpreter truncates), repeatable bit for bit."""
+    from deepinfer_nvidia import fp8_gemv
+
+    g = torch.Generator().manual_seed(groups * rows + cols)
+    dense = torch.randn(groups * rows, cols, generator=g) * cols**-0.5
+    dense[:, ::7] *= 1e-4  # under e4m3's smallest normal in their tiles
+    weight, scale = quantize_fp8(dense, block, block)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = _inputs(tokens, groups * cols, seed=cols, dtype=torch.bfloat16).view(tokens, groups, cols)
+    assert fp8_gemv.gemv_serves(x.reshape(tokens, -1), weight, infer_block(groups * rows, scale.shape[0]),
+                                block) == (tokens == 1)
+    _poison()
+    ours = TritonLinear().grouped_linear(x, weight, scale)
+    assert ours.shape == (tokens, groups, rows) and ours.dtype == torch.bfloat16
+    dequantized = dequantize(weight, scale, torch.float32).view(groups, rows, cols)
+    exact = torch.einsum("tgc,grc->tgr", x.float(), dequantized)
+    magnitude = torch.einsum("tgc,grc->tgr", x.float().abs(), dequantized.abs())
+    assert torch.all((ours.float() - exact).abs() <= magnitude * 1e-5 + exact.abs() * 2**-7)
+    assert torch.equal(ours, TritonLinear().grouped_linear(x, weight, scale))
+    if tokens == 1:
+        assert counters_are_zero(x.device)
+
+
+def test_grouped_projection_reference_is_the_dequantized_einsum():
+    """The torch backend's ``grouped_linear`` is what the model computed before ``wo_a`` stayed in FP8: the weight
+    dequantized to the activations' dtype, then one einsum (so CPU outputs did not move)."""
+    from deepinfer.plugins.builtin.torch_linear import TorchLinear
+
+    weight, scale = quantize_fp8(torch.randn(4 * 32, 64), 32, 32)
+    x = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+    expected = torch.einsum("tgd,grd->tgr", x, dequantize(weight, scale, torch.bfloat16).view(4, 32, 64))
+    assert torch.equal(TorchLinear().grouped_linear(x, weight, scale), expected)

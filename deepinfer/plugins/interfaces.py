@@ -137,6 +137,11 @@ class LinearBackend(Protocol):
         Returns [..., R] in ``x``'s dtype.
         """
 
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Each group's slice of ``x`` [T, G, C] times its rows of a quantized ``weight`` [G R, C] (``linear``'s
+        formats): [T, G, R] in ``x``'s dtype, the activations NOT rounded (the release dequantizes this weight, V4's
+        ``wo_a``, when it loads; ``deepinfer.runtime.ops.grouped_dequantized_linear``)."""
+
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``hidden W^T`` in fp32 for a float ``weight`` [V, C] kept in its own dtype: the vocabulary projection of
         a model whose release computes logits in fp32 from a bf16 head, without an fp32 copy of the head. ``hidden``

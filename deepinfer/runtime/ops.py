@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer.runtime.quantization import blockwise_linear
+from deepinfer.runtime.quantization import blockwise_linear, dequantize
 from deepinfer.plugins.interfaces import RouterWeights
 
 
@@ -14,6 +14,14 @@ def project(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, a
     if scale is None:
         return x.float() @ weight.float().T
     return blockwise_linear(x.float(), weight, scale, activation_block)
+
+
+def grouped_dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``LinearBackend.grouped_linear`` in torch: the weight dequantized to ``x``'s dtype, then each group's product
+    (as the release computes ``wo_a`` from the copy it dequantizes when it loads)."""
+    groups = x.shape[1]
+    dense = dequantize(weight, scale, x.dtype)
+    return torch.einsum("tgc,grc->tgr", x, dense.view(groups, -1, dense.shape[-1]))
 
 
 _UPCAST_ROWS = 1 << 13  # weight rows upcast at a time: an fp32 slab, never a whole head's fp32 copy

@@ -28,7 +28,7 @@ GEMV_POINTERS = {"x_ptr": "*i64", "w_ptr": "*i32", "sw_ptr": "*fp32", "y_ptr": "
                  "arrivals_ptr": "*i32"}
 GEMV_CONSTEXPRS = {"NUM_BLOCKS": 160, "CHUNKS_PER_SPLIT": 5, "SPLITS": 4, "W_ROW_TILE": 32, "BK": 32,
                    "NATIVE_FP8": True, "BN": fp8_gemv.GEMV_TILES["BN"], "KB": fp8_gemv.GEMV_TILES["KB"],
-                   "AHEAD": fp8_gemv.GEMV_AHEAD}
+                   "AHEAD": fp8_gemv.GEMV_AHEAD, "ROUND_X": True}
 
 ROUNDING = {"ROWS": 1, "SEGMENTS": 32, "NATIVE_FP8": True, "ROUND_TRIP": False, "PAIRS_APART": False, "SWIGLU": False}
 
@@ -50,7 +50,9 @@ CASES = {
                                            "BK": 128, "NATIVE_FP8": True, "BN": 128, "BM": 64, "QUANTIZE": False,
                                            "SUM_HERE": False}),
     "fp8 gemv, one row": (fp8_gemv._fp8_gemv_kernel, GEMV_POINTERS, GEMV_CONSTEXPRS),
-    "fp8 gemv, one row, two chunks ahead": (fp8_gemv._fp8_gemv_kernel, GEMV_POINTERS, GEMV_CONSTEXPRS | {"AHEAD": 2}),
+    "fp8 gemv, one row, one chunk ahead": (fp8_gemv._fp8_gemv_kernel, GEMV_POINTERS, GEMV_CONSTEXPRS | {"AHEAD": 1}),
+    "fp8 gemv, one row, grouped, unrounded activations": (fp8_gemv._fp8_gemv_kernel, GEMV_POINTERS,
+                                                          GEMV_CONSTEXPRS | {"ROUND_X": False}),
     "fp8 weight expanded to bf16": (fp8_bf16_gemm._expand_kernel, {"w_ptr": "*fp8e4nv", "sw_ptr": "*fp32",
                                                                    "out_ptr": "*bf16"},
                                     {"W_ROW_TILE": 32, "W_COL_TILE": 32, "BN": 32, "BK": 128}),
@@ -183,7 +185,11 @@ CASES = {
                                      "post_ptr": "*fp32", "comb_ptr": "*fp32", "norm_eps": "fp32", "hc_eps": "fp32"},
         {"N": 4, "ITERS": 20, "SPLITS_PAD": 64, "BLOCK_D": 8192, "NORM": True, "ONE_PASS": True,
          "SINGLE_PASS": single}) for single in (False, True)},
-    "greedy tokens": (sampling._argmax_kernel, {"logits_ptr": "*fp32", "out_ptr": "*i64"}, {"BLOCK": sampling.BLOCK}),
+    "greedy tokens, chunks": (sampling._chunk_argmax_kernel, {"logits_ptr": "*fp32", "best_ptr": "*fp32",
+                                                               "at_ptr": "*i32", "nan_ptr": "*i32"},
+                              {"CHUNK": sampling.CHUNK}),
+    "greedy tokens, rows": (sampling._argmax_kernel, {"best_ptr": "*fp32", "at_ptr": "*i32", "nan_ptr": "*i32",
+                                                      "out_ptr": "*i64"}, {"CHUNKS_PAD": 32}),
     **{f"{fmt} cache rounding": (cache_formats._round_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                                  {"GROUP": group, "GROUPS": cache_formats.GROUPS_PER_PROGRAM, "FORMAT": code})
        for fmt, (group, code) in cache_formats.FORMATS.items()},

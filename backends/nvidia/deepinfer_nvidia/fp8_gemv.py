@@ -1,7 +1,8 @@
 """One-row block-FP8 projections (a batch-1 decode step's) on the CUDA cores: ``_fp8_gemv_kernel`` reads each
 weight row's bytes as whole 32-bit words, widens them to fp32 and meets the bf16 activations, rounded to e4m3 in
-1 x ``BK`` segments as ``act_quant`` rounds them. At one row the tensor cores would pad the row to 8 or 16 and the
-weight stream, not the arithmetic, bounds the call; this kernel issues fewer instructions a byte.
+1 x ``BK`` segments as ``act_quant`` rounds them (or unrounded, for the grouped ``wo_a`` that the release
+dequantizes when it loads). At one row the tensor cores would pad the row to 8 or 16 and the weight stream, not the
+arithmetic, bounds the call; this kernel issues fewer instructions a byte.
 """
 
 from __future__ import annotations
@@ -60,17 +61,19 @@ def _e4m3_rounded(x, sx, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, K, stride_w, stride_sw,
+def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, K, stride_w, stride_sw, group_rows,
                      NUM_BLOCKS: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
                      W_ROW_TILE: tl.constexpr, BK: tl.constexpr, NATIVE_FP8: tl.constexpr, BN: tl.constexpr,
-                     KB: tl.constexpr, AHEAD: tl.constexpr):
+                     KB: tl.constexpr, AHEAD: tl.constexpr, ROUND_X: tl.constexpr):
     """``y``'s BN columns for one row on the CUDA cores. The weight is read as int32 words (``w_ptr``, ``stride_w``
     in words) and the bf16 activations as int64 words (``x_ptr``), four columns each: each weight row's KB bytes a
     step are one contiguous run, each weight word widened to four fp32 values that meet its four rounded
     activations times both scales: a program's BN rows lie in one ``W_ROW_TILE``-row scale tile, so each
-    activation segment meets one weight scale. The activations are rounded here, as
-    ``act_quant`` rounds them (bit for bit); each program reads the chunk of weights ``AHEAD`` (1 or 2) chunks on
-    before it multiplies the current one. K splits and their sum work as ``split_k`` says. The first chunks of
+    activation segment meets one weight scale. With ROUND_X the activations are rounded here, as ``act_quant``
+    rounds them (bit for bit); without, they meet the weight unrounded (a weight the release dequantizes when it
+    loads). Weight rows ``g * group_rows`` on read the g-th K-wide slice of ``x`` (a grouped projection; one group
+    when ``group_rows >= N``). Each program reads the chunk of weights ``AHEAD`` (1 or 2) chunks on before it
+    multiplies the current one. K splits and their sum work as ``split_k`` says. The first chunks of
     weights are read before the previous kernel's output is awaited (``dependent_launch``): no kernel writes
     weights."""
     pid_n = tl.program_id(0)
@@ -80,6 +83,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     scale_row = sw_ptr + (pid_n * BN // W_ROW_TILE) * stride_sw  # the program's rows share their scales
+    x_ptr += (pid_n * BN // group_rows).to(tl.int64) * (K // 4)  # and their group's slice of x
     segment = tl.arange(0, SEGMENTS)
     # [SEGMENTS, WORDS] word indices (word j holds columns 4j to 4j + 3)
     word = split * CHUNKS_PER_SPLIT * (KB // 4) + segment[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
@@ -98,15 +102,19 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
         w_far = tl.load(rows + far_word[None, :, :], mask=n_ok[:, None, None] & far_ok[None, :, :], other=0)
         xw = tl.load(x_ptr + word, mask=word < words, other=0)  # four bf16 columns a word, like the weight's
         x0, x1, x2, x3 = _bf16_word(xw, 0), _bf16_word(xw, 16), _bf16_word(xw, 32), _bf16_word(xw, 48)
-        amax = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-        sx = _segment_scale(tl.max(amax, axis=1))  # [SEGMENTS]
         block = (split * CHUNKS_PER_SPLIT + chunk) * SEGMENTS + segment
-        scale = (sx * tl.load(scale_row + block, mask=block < NUM_BLOCKS, other=0.0))[:, None]
+        scale = tl.load(scale_row + block, mask=block < NUM_BLOCKS, other=0.0)
+        if ROUND_X:
+            amax = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+            sx = _segment_scale(tl.max(amax, axis=1))  # [SEGMENTS]
+            scale = sx * scale
+            x0, x1 = _e4m3_rounded(x0, sx, NATIVE_FP8), _e4m3_rounded(x1, sx, NATIVE_FP8)
+            x2, x3 = _e4m3_rounded(x2, sx, NATIVE_FP8), _e4m3_rounded(x3, sx, NATIVE_FP8)
         w0, w1, w2, w3 = _word_bytes(w, NATIVE_FP8)
-        acc += w0 * (_e4m3_rounded(x0, sx, NATIVE_FP8) * scale)[None, :, :]
-        acc += w1 * (_e4m3_rounded(x1, sx, NATIVE_FP8) * scale)[None, :, :]
-        acc += w2 * (_e4m3_rounded(x2, sx, NATIVE_FP8) * scale)[None, :, :]
-        acc += w3 * (_e4m3_rounded(x3, sx, NATIVE_FP8) * scale)[None, :, :]
+        acc += w0 * (x0 * scale[:, None])[None, :, :]
+        acc += w1 * (x1 * scale[:, None])[None, :, :]
+        acc += w2 * (x2 * scale[:, None])[None, :, :]
+        acc += w3 * (x3 * scale[:, None])[None, :, :]
         if AHEAD == 2:
             w, w_ahead = w_ahead, w_far
         else:
@@ -122,7 +130,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, N, 
 GEMV = True
 GEMV_TILES = {"BN": 32, "KB": 256, "num_warps": 2, "num_stages": 1}
 # Chunks of weights each program has in flight while it multiplies one: 2 holds another chunk's registers
-GEMV_AHEAD = 1
+GEMV_AHEAD = 2
 # Programs a call wants per SM before K is split (measured on the H200 at V4.1-Flash's projections, one row: 3 gave
 # 82.4 us a layer, 5 90.3, 10 91.5; the tensor-core kernel 95.6)
 GEMV_PROGRAMS_PER_SM = 3
@@ -140,9 +148,11 @@ def gemv_serves(flat: torch.Tensor, weight: torch.Tensor, weight_row_tile: int, 
 
 
 def gemv(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, weight_row_tile: int, block: int,
-         y: torch.Tensor) -> None:
-    """``y`` [1, N] = the one bf16 row ``flat`` times the e4m3 ``weight`` with its fp32 tile ``scales``."""
-    k, n = flat.shape[1], weight.shape[0]
+         y: torch.Tensor, groups: int = 1, round_x: bool = True) -> None:
+    """``y`` [1, N] = the one bf16 row ``flat`` times the e4m3 ``weight`` [N, K] with its fp32 tile ``scales``: its
+    activations rounded to e4m3 in 1 x ``block`` segments with ``round_x``, as they are without it. With ``groups``
+    g, ``flat`` is [1, g K] and each N / g rows of the weight multiply their own K-wide slice of it."""
+    k, n = weight.shape[1], weight.shape[0]
     meta = gemv_tiles()
     tiles, chunks = triton.cdiv(n, meta["BN"]), triton.cdiv(k, meta["KB"])
     splits = max(1, min(chunks, triton.cdiv(sm_count(flat.device) * GEMV_PROGRAMS_PER_SM, tiles)))
@@ -151,6 +161,6 @@ def gemv(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, weight_
     partials = torch.empty(splits, 1, n, dtype=torch.float32, device=flat.device) if splits > 1 else y
     _fp8_gemv_kernel[(tiles, splits)](
         flat.view(torch.int64), weight.view(torch.int32), scales, y, partials, arrival_counters(flat.device, tiles),
-        n, k, weight.stride(0) // 4, scales.stride(0), NUM_BLOCKS=triton.cdiv(k, block), CHUNKS_PER_SPLIT=per_split,
-        SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), AHEAD=GEMV_AHEAD,
-        **meta, **LAUNCH)
+        n, k, weight.stride(0) // 4, scales.stride(0), n // groups, NUM_BLOCKS=triton.cdiv(k, block),
+        CHUNKS_PER_SPLIT=per_split, SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block,
+        NATIVE_FP8=_native_fp8(flat.device), AHEAD=GEMV_AHEAD, ROUND_X=round_x, **meta, **LAUNCH)

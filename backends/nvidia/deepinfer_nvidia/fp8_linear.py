@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.runtime.ops import fp32_logits
+from deepinfer.runtime.ops import fp32_logits, grouped_dequantized_linear
 from deepinfer.runtime.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import INTERPRETED, fp8_bf16_gemm, fp8_gemv
@@ -239,6 +239,22 @@ def _fp32_scales(scale: torch.Tensor) -> torch.Tensor:
     return cached
 
 
+def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``LinearBackend.grouped_linear`` for bf16 ``x`` [T, G, C] and an e4m3 ``weight`` [G R, C]: one row through
+    the GEMV with its activations unrounded, each program's rows reading their group's slice; more rows through
+    cuBLAS on the weight expanded to bf16 (the copy the release makes when it loads, here made per call)."""
+    tokens, groups, cols = x.shape
+    n = weight.shape[0]
+    row_tile, column_tile = infer_block(n, scale.shape[0]), infer_block(cols, scale.shape[1])
+    flat = x.reshape(tokens, groups * cols).contiguous()
+    if fp8_gemv.gemv_serves(flat, weight, row_tile, column_tile) and (n // groups) % fp8_gemv.gemv_tiles()["BN"] == 0:
+        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        fp8_gemv.gemv(flat, weight, _fp32_scales(scale), row_tile, column_tile, y, groups=groups, round_x=False)
+        return y.view(1, groups, n // groups)
+    dense = fp8_bf16_gemm.expanded_weight(weight, _fp32_scales(scale), row_tile, column_tile)
+    return torch.einsum("tgc,grc->tgr", x, dense.view(groups, -1, cols))
+
+
 def deep_gemm_serves(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int) -> bool:
     """DeepGEMM's SM90 FP8 GEMM: bf16 activations in 1 x 128 blocks against 128 x 128 weight tiles (V4's FP8
     checkpoints; V4.1's 32 x 32 tiles are not among its recipes)."""
@@ -277,6 +293,11 @@ class TritonLinear:
             return fp8_linear(x, weight, scale, activation_block, self.pinned)
         log_once(logger, logging.WARNING, "MXFP4 dense projections: no Triton kernel yet, the torch reference multiplies them")
         return blockwise_linear(x, weight, scale, activation_block)
+
+    def grouped_linear(self, x, weight, scale):
+        if weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16:
+            return grouped_fp8_linear(x, weight, scale)
+        return grouped_dequantized_linear(x, weight, scale)
 
     def logits(self, hidden, weight):
         if weight.dtype == torch.bfloat16:

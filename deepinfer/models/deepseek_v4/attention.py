@@ -22,13 +22,17 @@ def _linear(rows: int, cols: int) -> nn.Linear:
     return nn.Linear(cols, rows, bias=False)
 
 
-def grouped_output(o: torch.Tensor, wo_a: nn.Linear, wo_b: Linear, groups: int) -> torch.Tensor:
+def grouped_output(o: torch.Tensor, wo_a: Linear, wo_b: Linear, groups: int) -> torch.Tensor:
     """Output projection: each group of heads [T, H/g * D] has its own low-rank ``wo_a`` block, then ``wo_b``.
 
-    ``wo_a`` is dequantized when loaded (as DeepSeek's own converter does), so its groups can be sliced.
+    DeepSeek's own converter dequantizes ``wo_a`` when it loads; an FP8 ``wo_a`` is kept as shipped (half the bytes a
+    decode step reads) and multiplied as that copy would be, its activations unrounded (``grouped_linear``).
     """
     grouped = o.reshape(o.shape[0], groups, -1)
-    mixed = torch.einsum("tgd,grd->tgr", grouped, wo_a.weight.view(groups, -1, grouped.shape[-1]))
+    if wo_a.scale is not None:
+        mixed = wo_a.backend.grouped_linear(grouped, wo_a.weight, wo_a.scale)
+    else:
+        mixed = torch.einsum("tgd,grd->tgr", grouped, wo_a.weight.view(groups, -1, grouped.shape[-1]))
     return wo_b(mixed.flatten(1))
 
 
@@ -90,7 +94,7 @@ class Attention(nn.Module):
         self.wq_b = Linear(c.q_lora_rank, c.num_heads * c.head_dim)
         self.wkv = Linear(c.hidden_size, c.head_dim)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, backend)
-        self.wo_a = _linear(c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
+        self.wo_a = Linear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank)
         self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32), requires_grad=False)
         self.compressor = self.indexer = None

@@ -125,7 +125,7 @@ class Attention(nn.Module):
         self.wq_b = Linear(c.q_lora_rank, c.num_heads * c.head_dim)
         self.wkv = Linear(c.hidden_size, c.head_dim)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, backend)
-        self.wo_a = _linear(c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
+        self.wo_a = Linear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank)
         self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32), requires_grad=False)
         self.source = c.kv_source(layer_id) if self.ratio else None

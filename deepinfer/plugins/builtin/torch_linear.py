@@ -1,9 +1,10 @@
-"""Reference GEMM over quantized weights: dequantizes a slab of rows at a time (``blockwise_linear``); fp32 logits
+"""Reference GEMM over quantized weights: dequantizes a slab of rows at a time (``blockwise_linear``), or the whole
+weight for a grouped projection (``grouped_dequantized_linear``); fp32 logits
 from a narrower head, upcast a slab of rows at a time (``fp32_logits``)."""
 
 from __future__ import annotations
 
-from deepinfer.runtime.ops import fp32_logits
+from deepinfer.runtime.ops import fp32_logits, grouped_dequantized_linear
 from deepinfer.runtime.quantization import blockwise_linear
 from deepinfer.plugins.hookspecs import hookimpl
 
@@ -15,6 +16,9 @@ class TorchLinear:
 
     def linear(self, x, weight, scale, activation_block):
         return blockwise_linear(x, weight, scale, activation_block)
+
+    def grouped_linear(self, x, weight, scale):
+        return grouped_dequantized_linear(x, weight, scale)
 
     def logits(self, hidden, weight):
         return fp32_logits(hidden, weight)
