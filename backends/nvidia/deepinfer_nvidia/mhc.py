@@ -80,23 +80,27 @@ def _sublayer_input_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_p
                            norm_eps, hc_eps, eps, N: tl.constexpr, ITERS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                            BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_PASS: tl.constexpr,
                            SINGLE_PASS: tl.constexpr):
-    """``_mhc_weights_kernel`` and ``_collapse_kernel`` in one program per token. V4 collapses with the ``pre`` just
-    computed, which stays in registers; V4.1 (SINGLE_PASS) stores it and collapses with ``previous_pre``."""
+    """``_mhc_weights_kernel`` and ``_collapse_kernel`` in one launch. V4 collapses with the ``pre`` just computed,
+    which stays in registers: one program a token. V4.1 (SINGLE_PASS) collapses with ``previous_pre``, which does
+    not wait for this sublayer's coefficients: two programs a token (``program_id(1)``), one computing and storing
+    them, one collapsing, side by side rather than one after the other."""
     wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
-    pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N,
-                                     SPLITS_PAD)
-    pre, post, comb = _coefficients(pre, post, comb, hc_eps, N, ITERS)
-    rows = token + tl.arange(0, 1)
-    _store_mix(post, comb, rows, rows < T, post_ptr, comb_ptr, N)
     i = tl.arange(0, N)
-    if SINGLE_PASS:
-        tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=(rows < T)[:, None])
-        collapse_with = tl.load(previous_pre_ptr + token * N + i)
+    if SINGLE_PASS and tl.program_id(1) == 1:
+        _collapse_row(streams_ptr, stride_st, stride_sn, token, tl.load(previous_pre_ptr + token * N + i), weight_ptr,
+                      out_ptr, stride_out, D, eps, N, BLOCK_D, NORM, ONE_PASS)
     else:
-        collapse_with = tl.sum(pre, axis=0)
-    _collapse_row(streams_ptr, stride_st, stride_sn, token, collapse_with, weight_ptr, out_ptr, stride_out, D, eps,
-                  N, BLOCK_D, NORM, ONE_PASS)
+        pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N,
+                                         SPLITS_PAD)
+        pre, post, comb = _coefficients(pre, post, comb, hc_eps, N, ITERS)
+        rows = token + tl.arange(0, 1)
+        _store_mix(post, comb, rows, rows < T, post_ptr, comb_ptr, N)
+        if SINGLE_PASS:
+            tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=(rows < T)[:, None])
+        else:
+            _collapse_row(streams_ptr, stride_st, stride_sn, token, tl.sum(pre, axis=0), weight_ptr, out_ptr,
+                          stride_out, D, eps, N, BLOCK_D, NORM, ONE_PASS)
 
 
 @triton.jit
@@ -228,7 +232,8 @@ class TritonMHC:
             _mhc_weights_kernel[(streams.shape[0],)](dots, squares, base.contiguous(), scale.contiguous(), pre, post,
                                                      comb, streams.shape[0], splits, width, norm_eps, hc_eps, N=n,
                                                      ITERS=sinkhorn_iters, SPLITS_PAD=triton.next_power_of_2(splits),
-                                                     num_warps=1, **LAUNCH)
+                                                     num_warps=max(1, triton.next_power_of_2(splits) // 64),
+                                                     **LAUNCH)
         return pre, post, comb
 
     def sublayer_input(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps, norm_weight=None,
@@ -256,7 +261,7 @@ class TritonMHC:
         out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
         if partials is not None:
             dots, squares, splits, flat_width = partials
-            _sublayer_input_kernel[(tokens,)](
+            _sublayer_input_kernel[(tokens, 2 if single_pass else 1)](
                 dots, squares, base.contiguous(), scale.contiguous(), streams, streams.stride(0), streams.stride(1),
                 post if weight is None else weight, out, out.stride(0), post if pre is None else pre,
                 post if previous_pre is None else previous_pre, post, comb, tokens, splits, flat_width, width,
