@@ -1,4 +1,4 @@
-"""The NVIDIA plugin's greedy tokens (one Triton launch) against torch's argmax: fresh random rows, ties, NaN and
+"""The NVIDIA plugin's greedy tokens (two Triton launches) against torch's argmax: fresh random rows, ties, NaN and
 rows of -inf (natively on a GPU, else Triton's interpreter)."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "nvidia"))  # when not pip-installed
 
 from deepinfer_nvidia import plugin  # noqa: E402
-from deepinfer_nvidia.sampling import BLOCK, greedy_tokens  # noqa: E402
+from deepinfer_nvidia.sampling import CHUNK, greedy_tokens  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-# a row shorter than a tile, one tile and a bit, an odd width; on a GPU V4.1's vocabulary
-SHAPES = [(1, 7), (3, BLOCK + 5), (5, 3 * BLOCK - 1)] + ([(1, 129280), (64, 129280)] if CUDA else [])
+# a row shorter than a chunk, one chunk and a bit, an odd width; on a GPU V4.1's vocabulary
+SHAPES = [(1, 7), (3, CHUNK + 5), (5, 3 * CHUNK - 1)] + ([(1, 129280), (64, 129280)] if CUDA else [])
 
 
 @pytest.mark.parametrize("rows, vocab", SHAPES)
