@@ -232,8 +232,7 @@ class TritonMHC:
             _mhc_weights_kernel[(streams.shape[0],)](dots, squares, base.contiguous(), scale.contiguous(), pre, post,
                                                      comb, streams.shape[0], splits, width, norm_eps, hc_eps, N=n,
                                                      ITERS=sinkhorn_iters, SPLITS_PAD=triton.next_power_of_2(splits),
-                                                     num_warps=max(1, triton.next_power_of_2(splits) // 64),
-                                                     **LAUNCH)
+                                                     num_warps=1, **LAUNCH)
         return pre, post, comb
 
     def sublayer_input(self, streams, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps, norm_weight=None,

@@ -7,7 +7,7 @@ The reference spends ~120 kernel launches per coefficients call on [T, 4, 4] mat
 two normalisations), and the model calls it twice per layer: at decode that launch count, not arithmetic, is the
 cost. Here a program keeps its tokens' n x n matrices in registers and unrolls the iterations. The logits before
 it (an RMS norm, a GEMV against fn [(2 + n) n, n D], scales and bias: 6 more launches in torch) become one split-K
-launch: at batch 1 reading fn (1.5 MB for flash) is the work, so it is spread over up to 256 programs. On an H200 at
+launch: at batch 1 reading fn (1.5 MB for flash) is the work, so it is spread over up to 64 programs. On an H200 at
 flash's sizes, in a CUDA graph, a sublayer's weights take ~10 us at batch 1 instead of ~23 (the same at 37 tokens).
 Prefill chunks of 256+ tokens multiply tiles of 64 tokens instead (``_mix_tiles_kernel``; not batch invariant).
 """
@@ -22,10 +22,10 @@ from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 
 BLOCK_T = 16
 # The logits' projection is cut into at most this many K-splits of whole BLOCK_K columns. The cut depends on the
-# width alone, never on the token count: a token's sum is then added in the same order in any batch. 256 gives
-# V4.1-Flash's 20480 columns one block a split (160 programs, one round of loads each); 64 cut them into 54 splits
-# of three dependent rounds
-MAX_SPLITS = 256
+# width alone, never on the token count: a token's sum is then added in the same order in any batch. One block a
+# split (256) was slower at batch 1 (H100, V4-shaped sublayer input at V4.1-Flash's width: 14.9 -> 16.3 us a call;
+# 41.7 -> 38.1 at 64 tokens): the second launch's sum over the splits grows with them.
+MAX_SPLITS = 64
 BLOCK_K = 128
 # A prefill's projection: tokens per program, and about how many programs to launch (two per SM of an H200)
 PREFILL_TILE_T, PREFILL_PROGRAMS = 64, 264
