@@ -338,11 +338,13 @@ def test_row_counts_of_one_tile_size_share_one_build():
 
 
 # (tokens, groups, rows a group, columns, block): V4.1-Flash's wo_a is 8 groups of 1024 rows over 4096 columns in
-# 32 x 32 tiles (V4's: 128 x 128). One row goes to the GEMV, more to cuBLAS on the expanded weight
-GROUPED_SHAPES = [(1, 2, 32, 96, 32), (1, 4, 64, 128, 32), (3, 2, 32, 96, 32)]
+# 32 x 32 tiles (V4's: 128 x 128). One row goes to the GEMV, up to FEW_ROWS to the few-rows kernel on bf16 tensor
+# cores (one launch to 16 rows, then a second summing the splits), more to cuBLAS on the expanded weight
+GROUPED_SHAPES = [(1, 2, 32, 96, 32), (1, 4, 64, 128, 32), (3, 2, 32, 96, 32), (FEW_ROWS + 1, 2, 32, 64, 32)]
 if CUDA:
     GROUPED_SHAPES += [(1, 8, 1024, 4096, 32), (1, 8, 1024, 4096, 128), (1, 3, 96, 4100, 32), (6, 8, 1024, 4096, 32),
-                       (64, 8, 1024, 4096, 32)]
+                       (6, 8, 1024, 4096, 128), (40, 8, 1024, 4096, 32), (FEW_ROWS, 8, 1024, 4096, 32),
+                       (200, 8, 1024, 4096, 32)]
 
 
 @pytest.mark.parametrize("tokens, groups, rows, cols, block", GROUPED_SHAPES)
@@ -368,8 +370,7 @@ def test_grouped_projection_matches_the_dequantized_weight(tokens, groups, rows,
     magnitude = torch.einsum("tgc,grc->tgr", x.float().abs(), dequantized.abs())
     assert torch.all((ours.float() - exact).abs() <= magnitude * 1e-5 + exact.abs() * 2**-7)
     assert torch.equal(ours, TritonLinear().grouped_linear(x, weight, scale))
-    if tokens == 1:
-        assert counters_are_zero(x.device)
+    assert counters_are_zero(x.device)
 
 
 def test_grouped_projection_reference_is_the_dequantized_einsum():

@@ -72,19 +72,24 @@ def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, M_BUCKET, str
 @triton.jit
 def _few_rows_block(q_ptr, sx_ptr, w_ptr, sw_ptr, block, offs_m, offs_n, m_ok, n_ok, K, stride_q, stride_w, stride_sw,
                     NUM_BLOCKS: tl.constexpr, W_ROW_TILE: tl.constexpr, BK: tl.constexpr,
-                    NATIVE_FP8: tl.constexpr, QUANTIZE: tl.constexpr):
-    """One K block's [BN, BM] product, both scales applied."""
+                    NATIVE_FP8: tl.constexpr, QUANTIZE: tl.constexpr, UNROUNDED: tl.constexpr):
+    """One K block's [BN, BM] product, both scales applied (UNROUNDED: bf16 activations as they are, the weight
+    widened to bf16, exactly, for bf16 tensor cores; only its scale applied)."""
     k = block * BK + tl.arange(0, BK)
     k_ok = k < K
     scale_block = tl.minimum(block, NUM_BLOCKS - 1)  # surplus blocks: a real scale times their zero products
     a = tl.load(q_ptr + offs_m[:, None] * stride_q + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    if QUANTIZE:
+    if UNROUNDED:
+        sx = tl.full((a.shape[0],), 1.0, tl.float32)
+    elif QUANTIZE:
         sx = _segment_scale(tl.max(tl.abs(a.to(tl.float32)), axis=1))
         a = _e4m3_values(a.to(tl.float32), sx[:, None], NATIVE_FP8).to(tl.float8e4nv)
     else:
         sx = tl.load(sx_ptr + offs_m * NUM_BLOCKS + scale_block, mask=m_ok, other=0.0)
     w = tl.load(w_ptr + offs_n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    if NATIVE_FP8:
+    if UNROUNDED and NATIVE_FP8:
+        part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
+    elif NATIVE_FP8:
         part = tl.dot(w, tl.trans(a))
     else:
         part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
@@ -94,10 +99,10 @@ def _few_rows_block(q_ptr, sx_ptr, w_ptr, sw_ptr, block, offs_m, offs_n, m_ok, n
 
 @triton.jit(do_not_specialize=["M"])  # counts of a step's rows: one binary for any
 def _fp8_gemm_few_rows_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_q,
-                              stride_w, stride_sw, stride_y, NUM_BLOCKS: tl.constexpr,
+                              stride_w, stride_sw, stride_y, group_rows, NUM_BLOCKS: tl.constexpr,
                               BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, W_ROW_TILE: tl.constexpr,
                               BK: tl.constexpr, NATIVE_FP8: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                              QUANTIZE: tl.constexpr, SUM_HERE: tl.constexpr):
+                              QUANTIZE: tl.constexpr, SUM_HERE: tl.constexpr, UNROUNDED: tl.constexpr):
     """``y^T``'s [BN, BM] tile for a few rows (a decode step's): the weight's rows on the MMA's M side, which Hopper's
     wgmma wants 64 at a time, and the BM (8 to 64) rows of ``x`` on its N side, so e4m3 meets e4m3 on the FP8
     tensor cores with no conversion and the weights are read once whatever the rows.
@@ -106,17 +111,21 @@ def _fp8_gemm_few_rows_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, partial_ptr, 
     counts itself in on its column tile's arrival counter; the last to arrive adds the partials in split order
     (deterministic) into ``y`` and zeroes the counter for the next call, so no second launch sums them (while the
     partials are few rows: one program reads them all). With QUANTIZE, ``q_ptr`` holds the unrounded activations
-    and each program rounds its own, as ``act_quant`` does (bit for bit)."""
+    and each program rounds its own, as ``act_quant`` does (bit for bit); with UNROUNDED they are never rounded.
+    Weight rows ``g * group_rows`` on read columns ``g K`` on of ``q`` (a grouped projection; one group when
+    ``group_rows >= N``)."""
     wait_for_inputs()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    q_ptr += (pid_n * BN // group_rows).to(tl.int64) * K  # the program's rows' group's slice of the activations
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for step in range(BLOCKS_PER_SPLIT):  # the last split's surplus blocks load nothing
         acc += _few_rows_block(q_ptr, sx_ptr, w_ptr, sw_ptr, split * BLOCKS_PER_SPLIT + step, offs_m, offs_n, m_ok,
-                               n_ok, K, stride_q, stride_w, stride_sw, NUM_BLOCKS, W_ROW_TILE, BK, NATIVE_FP8, QUANTIZE)
+                               n_ok, K, stride_q, stride_w, stride_sw, NUM_BLOCKS, W_ROW_TILE, BK, NATIVE_FP8, QUANTIZE,
+                               UNROUNDED)
     store_split(acc, y_ptr, partial_ptr, arrivals_ptr, pid_n, split, offs_n, offs_m, n_ok, m_ok, M, N, stride_y,
                 SPLITS, SUM_HERE)
 
@@ -182,24 +191,27 @@ ONE_LAUNCH_MAX_ROWS = 16
 
 
 def _few_rows_gemm(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, weight_row_tile: int,
-                   block: int, y: torch.Tensor) -> None:
-    (m, k), n = flat.shape, weight.shape[0]
+                   block: int, y: torch.Tensor, groups: int = 1, unrounded: bool = False) -> None:
+    """``y`` = ``flat`` times the weight on the FP8 tensor cores, the activations rounded in ``1 x block`` segments;
+    ``unrounded``: bf16 activations as they are, on bf16 tensor cores; ``groups``: as ``fp8_gemv.gemv``'s."""
+    m, k, n = flat.shape[0], weight.shape[1], weight.shape[0]
     if fp8_gemv.gemv_serves(flat, weight, weight_row_tile, block):
-        return fp8_gemv.gemv(flat, weight, scales, weight_row_tile, block, y)
+        return fp8_gemv.gemv(flat, weight, scales, weight_row_tile, block, y, groups, round_x=not unrounded)
     num_blocks = triton.cdiv(k, block)
     tile_n = _few_rows_tile_n()
     splits = split_count(n, num_blocks, _programs_wanted(flat.device))
     per_split = triton.cdiv(num_blocks, splits)
     rows = max(8, triton.next_power_of_2(m))
     one_launch = rows <= ONE_LAUNCH_MAX_ROWS
-    q, sx = (flat, flat) if one_launch else act_quant(flat, block)
+    q, sx = (flat, flat) if one_launch or unrounded else act_quant(flat, block)
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=flat.device) if splits > 1 else y
     tiles = triton.cdiv(n, tile_n)
     _fp8_gemm_few_rows_kernel[(tiles, splits)](
         q, sx, weight, scales, y, partials, arrival_counters(flat.device, tiles), m, n, k, q.stride(0),
-        weight.stride(0), scales.stride(0), y.stride(0), NUM_BLOCKS=num_blocks, BLOCKS_PER_SPLIT=per_split,
-        SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block, NATIVE_FP8=_native_fp8(flat.device), BM=rows,
-        QUANTIZE=one_launch, SUM_HERE=one_launch, **({"BN": tile_n} if INTERPRETED else FEW_ROWS_TILES), **LAUNCH)
+        weight.stride(0), scales.stride(0), y.stride(0), n // groups, NUM_BLOCKS=num_blocks,
+        BLOCKS_PER_SPLIT=per_split, SPLITS=splits, W_ROW_TILE=weight_row_tile, BK=block,
+        NATIVE_FP8=_native_fp8(flat.device), BM=rows, QUANTIZE=one_launch and not unrounded, SUM_HERE=one_launch,
+        UNROUNDED=unrounded, **({"BN": tile_n} if INTERPRETED else FEW_ROWS_TILES), **LAUNCH)
     if splits > 1 and not one_launch:
         sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, y, m * n, SPLITS=splits, BLOCK=1024, **LAUNCH)
 
@@ -240,17 +252,21 @@ def _fp32_scales(scale: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``LinearBackend.grouped_linear`` for bf16 ``x`` [T, G, C] and an e4m3 ``weight`` [G R, C]: one row through
-    the GEMV with its activations unrounded, each program's rows reading their group's slice; more rows through
-    cuBLAS on the weight expanded to bf16 (the copy the release makes when it loads, here made per call)."""
+    """``LinearBackend.grouped_linear`` for bf16 ``x`` [T, G, C] and an e4m3 ``weight`` [G R, C], the activations
+    unrounded and each program's rows reading their group's slice of them: one row through the GEMV, up to
+    ``FEW_ROWS`` through the few-rows kernel on bf16 tensor cores (a speculative verification step's rows, a decode
+    batch's), more through cuBLAS on the weight expanded to bf16 (the copy the release makes when it loads, here
+    made per call)."""
     tokens, groups, cols = x.shape
     n = weight.shape[0]
     row_tile, column_tile = infer_block(n, scale.shape[0]), infer_block(cols, scale.shape[1])
     flat = x.reshape(tokens, groups * cols).contiguous()
-    if fp8_gemv.gemv_serves(flat, weight, row_tile, column_tile) and (n // groups) % fp8_gemv.gemv_tiles()["BN"] == 0:
-        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-        fp8_gemv.gemv(flat, weight, _fp32_scales(scale), row_tile, column_tile, y, groups=groups, round_x=False)
-        return y.view(1, groups, n // groups)
+    tile = fp8_gemv.gemv_tiles()["BN"] if tokens == 1 else _few_rows_tile_n()
+    if tokens <= FEW_ROWS and (n // groups) % tile == 0 and (tokens > 1 or fp8_gemv.gemv_serves(flat, weight, row_tile,
+                                                                                              column_tile)):
+        y = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+        _few_rows_gemm(flat, weight, _fp32_scales(scale), row_tile, column_tile, y, groups, unrounded=True)
+        return y.view(tokens, groups, n // groups)
     dense = fp8_bf16_gemm.expanded_weight(weight, _fp32_scales(scale), row_tile, column_tile)
     return torch.einsum("tgc,grc->tgr", x, dense.view(groups, -1, cols))
 
