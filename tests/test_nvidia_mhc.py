@@ -136,6 +136,47 @@ def test_single_pass_input_collapses_with_the_previous_pre(tokens, n, width, dty
     torch.testing.assert_close(x, ref_x, **tolerance)
 
 
+@pytest.mark.parametrize("tokens, width", [(1, 100), (2, 2100), (2, 5120)])
+def test_single_pass_input_in_one_launch_matches_two(tokens, width, monkeypatch):
+    """Up to ONE_LAUNCH_MAX_TOKENS tokens V4.1's sublayer input is one launch whose last-arriving split computes the
+    coefficients: the same collapse bit for bit and the same coefficients (to fp32 rounding: its splits reduce with
+    the collapse's warps) as the two launches, its arrival counter back at zero, and a second call equal to the
+    first. Batch-invariant mode keeps the two launches."""
+    from deepinfer_nvidia import mhc
+    from deepinfer_nvidia.split_k import counters_are_zero
+
+    n = 4
+    streams, fn, base, scale = _mix_inputs(tokens, n, width, torch.bfloat16, seed=width)
+    g = torch.Generator().manual_seed(width + 2)
+    previous_pre = (torch.rand(tokens, n, generator=g) + 0.1).to(DEVICE)
+    weight = torch.rand(width, generator=g).add(0.5).to(DEVICE)
+    args = (streams, previous_pre, fn, base, scale, n, 20, 1e-6, 1e-6, weight, 1e-6)
+    launches = []
+    real = mhc._single_pass_input_kernel
+    monkeypatch.setattr(mhc, "_single_pass_input_kernel", _Recorder(real, launches))
+    one = TritonMHC().single_pass_input(*args)
+    assert len(launches) == 1 and counters_are_zero(streams.device)
+    assert all(torch.equal(a, b) for a, b in zip(one, TritonMHC().single_pass_input(*args)))
+    assert len(TritonMHC(gemm_tokens=None).single_pass_input(*args)) == 4 and len(launches) == 2  # invariant: two
+    monkeypatch.setattr(mhc, "ONE_LAUNCH_MAX_TOKENS", 0)
+    two = TritonMHC().single_pass_input(*args)
+    assert len(launches) == 2
+    assert torch.equal(one[0], two[0])
+    for ours, theirs in zip(one[1:], two[1:]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+class _Recorder:
+    """A Triton kernel whose launches are counted (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 def test_weights_refuse_what_the_kernels_cannot_read():
     streams, fn, base, scale = _mix_inputs(3, 4, 64, torch.bfloat16, seed=4)
     with pytest.raises(ValueError, match="contiguous fp32"):

@@ -15,8 +15,10 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
-from deepinfer_nvidia.mhc_weights import (BLOCK_T, _check_sinkhorn, _coefficients, _mhc_kernel, _mhc_weights_kernel,
-                                          _mix_buffers, _mix_partials, _store_mix, _summed_logits)
+from deepinfer_nvidia.mhc_weights import (BLOCK_K, BLOCK_T, _check_sinkhorn, _coefficients, _mhc_kernel,
+                                          _mhc_weights_kernel, _mix_buffers, _mix_partials, _splits, _store_mix,
+                                          _summed_logits, _token_partials, mix_input)
+from deepinfer_nvidia.split_k import arrival_counters
 
 
 @triton.jit
@@ -101,6 +103,40 @@ def _sublayer_input_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_p
         else:
             _collapse_row(streams_ptr, stride_st, stride_sn, token, tl.sum(pre, axis=0), weight_ptr, out_ptr,
                           stride_out, D, eps, N, BLOCK_D, NORM, ONE_PASS)
+
+
+@triton.jit(do_not_specialize=["T"])  # counts of a step's rows: one binary for any
+def _single_pass_input_kernel(streams_ptr, stride_st, stride_sn, flat_ptr, stride_flat, fn_ptr, dots_ptr, squares_ptr,
+                              arrivals_ptr, base_ptr, scale_ptr, weight_ptr, out_ptr, stride_out, pre_ptr,
+                              previous_pre_ptr, post_ptr, comb_ptr, T, K, D, norm_eps, hc_eps, eps, N: tl.constexpr,
+                              M: tl.constexpr, M_PAD: tl.constexpr, ITERS: tl.constexpr, MAX_T: tl.constexpr,
+                              BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+                              SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                              ONE_PASS: tl.constexpr):
+    """V4.1's sublayer input for a step of at most MAX_T tokens in one launch. Programs 0 to SPLITS - 1 each project
+    their K split of every token's flat streams (``_token_partials``) and count themselves in on the arrival
+    counter; the last to arrive sums the splits and computes every token's coefficients, then zeroes the counter.
+    Program SPLITS + t collapses token t with the previous sublayer's ``pre``, which nothing in this launch writes."""
+    wait_for_inputs()
+    i = tl.arange(0, N)
+    if tl.program_id(0) >= SPLITS:
+        token = (tl.program_id(0) - SPLITS).to(tl.int64)
+        _collapse_row(streams_ptr, stride_st, stride_sn, token, tl.load(previous_pre_ptr + token * N + i), weight_ptr,
+                      out_ptr, stride_out, D, eps, N, BLOCK_D, NORM, ONE_PASS)
+    else:
+        _token_partials(flat_ptr, stride_flat, fn_ptr, dots_ptr, squares_ptr, T, K, 0, tl.program_id(0), SPLITS, M,
+                        M_PAD, MAX_T, BLOCK_K, BLOCKS_PER_SPLIT)
+        tl.debug_barrier()  # every thread's partials are written before the count says so (release, GPU scope)
+        if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            for t in range(MAX_T):
+                if t < T:
+                    pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, t, SPLITS, K,
+                                                     norm_eps, N, SPLITS_PAD)
+                    pre, post, comb = _coefficients(pre, post, comb, hc_eps, N, ITERS)
+                    rows = t + tl.arange(0, 1)
+                    _store_mix(post, comb, rows, rows < T, post_ptr, comb_ptr, N)
+                    tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=(rows < T)[:, None])
+            tl.atomic_xchg(arrivals_ptr, 0)
 
 
 @triton.jit
@@ -196,6 +232,10 @@ def _collapse_inputs(streams: torch.Tensor, norm_weight: torch.Tensor | None):
 
 
 GEMM_TOKENS = 256  # from this many tokens on, a sublayer's projection onto fn multiplies tiles (_mix_tiles_kernel)
+# Up to this many tokens V4.1's sublayer input is one launch (_single_pass_input_kernel), whose last program computes
+# every token's coefficients in turn; from there one program a token computes them in a second launch. Not in
+# batch-invariant mode: the two paths reduce with different warp counts
+ONE_LAUNCH_MAX_TOKENS = 2
 
 
 class TritonMHC:
@@ -252,13 +292,30 @@ class TritonMHC:
         single_pass = previous_pre is not None
         post, comb = _mix_buffers(streams, n)
         pre = torch.empty_like(post) if single_pass else None
-        partials = _mix_partials(streams, fn, base, scale, n, sinkhorn_iters, self.gemm_tokens)
+        one_launch = single_pass and streams.shape[0] <= ONE_LAUNCH_MAX_TOKENS and not self.batch_invariant
+        if one_launch:
+            flat = mix_input(streams, fn, base, scale, n, sinkhorn_iters)
+        else:
+            partials = _mix_partials(streams, fn, base, scale, n, sinkhorn_iters, self.gemm_tokens)
         streams, weight, norm = _collapse_inputs(streams, norm_weight)
         if single_pass:
             streams, previous_pre = _checked(streams, previous_pre)
         tokens, _, width = streams.shape
         out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
-        if partials is not None:
+        if one_launch:
+            if flat is not None:
+                splits, blocks_per_split = _splits(flat.shape[1])
+                dots = torch.empty(tokens, splits, (2 + n) * n, dtype=torch.float32, device=streams.device)
+                squares = torch.empty(tokens, splits, dtype=torch.float32, device=streams.device)
+                _single_pass_input_kernel[(splits + tokens,)](
+                    streams, streams.stride(0), streams.stride(1), flat, flat.stride(0), fn, dots, squares,
+                    arrival_counters(streams.device, 1), base.contiguous(), scale.contiguous(),
+                    post if weight is None else weight, out, out.stride(0), pre, previous_pre, post, comb, tokens,
+                    flat.shape[1], width, norm_eps, hc_eps, eps, N=n, M=(2 + n) * n,
+                    M_PAD=triton.next_power_of_2((2 + n) * n), ITERS=sinkhorn_iters, MAX_T=ONE_LAUNCH_MAX_TOKENS,
+                    BLOCK_K=BLOCK_K, BLOCKS_PER_SPLIT=blocks_per_split, SPLITS=splits,
+                    SPLITS_PAD=triton.next_power_of_2(splits), NORM=norm, **_collapse_tiles(width), **LAUNCH)
+        elif partials is not None:
             dots, squares, splits, flat_width = partials
             _sublayer_input_kernel[(tokens, 2 if single_pass else 1)](
                 dots, squares, base.contiguous(), scale.contiguous(), streams, streams.stride(0), streams.stride(1),

@@ -77,21 +77,20 @@ def _mhc_kernel(logits_ptr, stride_l, pre_ptr, post_ptr, comb_ptr, T, eps, N: tl
     _store_coefficients(pre, post, comb, rows, ok, pre_ptr, post_ptr, comb_ptr, eps, N, ITERS)
 
 
-@triton.jit(do_not_specialize=["T"])  # counts of a step's rows: one binary for any
-def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, K, M: tl.constexpr,
-                         M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCKS_PER_SPLIT: tl.constexpr):
-    """Split ``program_id(1)``'s share, BLOCKS_PER_SPLIT blocks of BLOCK_K columns of the flat streams, of each
-    token's projection onto fn's M rows (dots [T, S, M]) and of its sum of squares (squares [T, S]), in fp32.
+@triton.jit
+def _token_partials(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, K, tile, split, splits,
+                    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCKS_PER_SPLIT: tl.constexpr):
+    """Split ``split``'s share (of ``splits``), BLOCKS_PER_SPLIT blocks of BLOCK_K columns of the flat streams, of
+    the projection onto fn's M rows (dots [T, splits, M]) and of the sum of squares (squares [T, splits]) of each
+    token of ``tile``, in fp32.
 
     One token at a time, products summed element-wise over the blocks and reduced once: a decode step's few tokens
     cost only their own arithmetic (a 16-row tl.dot would multiply the padding too), and the program's fn columns,
     read from memory for its first token, come from the L1 cache for the others."""
-    wait_for_inputs()
-    split = tl.program_id(1)
     m = tl.arange(0, M_PAD)
     for t in range(BLOCK_T):
-        row = tl.program_id(0) * BLOCK_T + t
+        row = tile * BLOCK_T + t
         if row < T:
             products = tl.zeros((M_PAD, BLOCK_K), tl.float32)
             squares = tl.zeros((BLOCK_K,), tl.float32)
@@ -103,9 +102,19 @@ def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, 
                             other=0.0)
                 products += w * x[None, :]
                 squares += x * x
-            at = row.to(tl.int64) * tl.num_programs(1) + split
+            at = row.to(tl.int64) * splits + split
             tl.store(dots_ptr + at * M + m, tl.sum(products, axis=1), mask=m < M)
             tl.store(squares_ptr + at, tl.sum(squares, axis=0))
+
+
+@triton.jit(do_not_specialize=["T"])  # counts of a step's rows: one binary for any
+def _mix_partials_kernel(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, K, M: tl.constexpr,
+                         M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCKS_PER_SPLIT: tl.constexpr):
+    """``_token_partials`` of token tile ``program_id(0)`` and split ``program_id(1)``."""
+    wait_for_inputs()
+    _token_partials(streams_ptr, stride_st, fn_ptr, dots_ptr, squares_ptr, T, K, tl.program_id(0), tl.program_id(1),
+                    tl.num_programs(1), M, M_PAD, BLOCK_T, BLOCK_K, BLOCKS_PER_SPLIT)
 
 
 @triton.jit(do_not_specialize=["T"])  # counts of a step's rows: one binary for any
@@ -146,11 +155,14 @@ def _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K,
     i = tl.arange(0, N)
     cell = i[:, None] * N + i[None, :]
     dots = dots_ptr + (token * splits + split) * ((2 + N) * N)
-    pre = tl.sum(tl.load(dots[:, None] + i[None, :], mask=present[:, None], other=0.0), axis=0)
-    post = tl.sum(tl.load(dots[:, None] + N + i[None, :], mask=present[:, None], other=0.0), axis=0)
-    comb = tl.sum(tl.load(dots[:, None, None] + 2 * N + cell[None, :, :], mask=present[:, None, None], other=0.0),
+    # from L2 (".cg"): in ``mhc._single_pass_input_kernel`` other programs of the same launch wrote them
+    pre = tl.sum(tl.load(dots[:, None] + i[None, :], mask=present[:, None], other=0.0, cache_modifier=".cg"), axis=0)
+    post = tl.sum(tl.load(dots[:, None] + N + i[None, :], mask=present[:, None], other=0.0, cache_modifier=".cg"),
                   axis=0)
-    squares = tl.sum(tl.load(squares_ptr + token * splits + split, mask=present, other=0.0), axis=0)
+    comb = tl.sum(tl.load(dots[:, None, None] + 2 * N + cell[None, :, :], mask=present[:, None, None], other=0.0,
+                          cache_modifier=".cg"), axis=0)
+    squares = tl.sum(tl.load(squares_ptr + token * splits + split, mask=present, other=0.0, cache_modifier=".cg"),
+                     axis=0)
     rstd = 1.0 / tl.sqrt(squares / K + norm_eps)
     pre = pre * rstd * tl.load(scale_ptr) + tl.load(base_ptr + i)
     post = post * rstd * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i)
@@ -191,14 +203,9 @@ def _mix_buffers(streams: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
             torch.empty(tokens, n, n, dtype=torch.float32, device=streams.device))
 
 
-def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int, gemm_tokens: int | None):
-    """The first launch of a sublayer's weights: each token's projection onto ``fn`` and its sum of squares, split
-    over K. Returns (dots, squares, splits, flat width), or None without tokens.
-
-    From ``gemm_tokens`` tokens on (prefill chunks) ``_mix_tiles_kernel`` multiplies tiles of tokens instead: the
-    token-at-a-time products, right for a decode step's few rows, ran at 2.8 TFLOPS on 8192 tokens (1.16 ms a call
-    on an H200), and cuBLAS's fp32 GEMM wanted an fp32 copy of the streams (0.78 ms a call with the copy and the
-    squares)."""
+def mix_input(streams, fn, base, scale, n: int, sinkhorn_iters: int) -> torch.Tensor | None:
+    """The streams [T, n, D] as the logits' projection reads them, flat [T, n D] with unit-stride columns, once
+    every input is checked; None without tokens."""
     logits = (2 + n) * n
     _check_sinkhorn(n, sinkhorn_iters)
     if streams.dim() != 3 or streams.shape[1] != n or streams.shape[2] == 0:
@@ -213,8 +220,21 @@ def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int, gemm_to
     if not tokens:
         return None
     flat = streams.flatten(1)  # a view unless the streams' channels are strided
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def _mix_partials(streams, fn, base, scale, n: int, sinkhorn_iters: int, gemm_tokens: int | None):
+    """The first launch of a sublayer's weights: each token's projection onto ``fn`` and its sum of squares, split
+    over K. Returns (dots, squares, splits, flat width), or None without tokens.
+
+    From ``gemm_tokens`` tokens on (prefill chunks) ``_mix_tiles_kernel`` multiplies tiles of tokens instead: the
+    token-at-a-time products, right for a decode step's few rows, ran at 2.8 TFLOPS on 8192 tokens (1.16 ms a call
+    on an H200), and cuBLAS's fp32 GEMM wanted an fp32 copy of the streams (0.78 ms a call with the copy and the
+    squares)."""
+    flat = mix_input(streams, fn, base, scale, n, sinkhorn_iters)
+    if flat is None:
+        return None
+    logits, (tokens, width) = (2 + n) * n, flat.shape
     tiled = gemm_tokens is not None and tokens >= gemm_tokens
     tiles = triton.cdiv(tokens, PREFILL_TILE_T if tiled else BLOCK_T)
     # decode: a cut set by the width alone; a prefill: just enough splits for ~PREFILL_PROGRAMS programs
