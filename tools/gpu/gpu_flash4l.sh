@@ -5,7 +5,7 @@
 #
 #   install,tests,debug,small $OUT   then   install,idle $OUT (IDLE_MODELS=/tmp/flash4L)   then   install,kernels,v41 $OUT
 #
-# Sections: install, tests (every NVIDIA kernel test), humming (the humming-kernels route's tests and gpu_mxfp4.py with it), v41ab
+# Sections: install, tests (every NVIDIA kernel test), mhc (a V4.1 sublayer's mHC input: tests, tools/gpu/gpu_mhc.py here and in .prev), humming (the humming-kernels route's tests and gpu_mxfp4.py with it), v41ab
 # (v41flash8L with the humming route and without), v41prefillab (V4.1 long prefills with the route and with it off), debug (the open FP8-cache fault), quicktests, roofline,
 # kernels (tools/gpu/gpu_kernels.py, tools/gpu/gpu_glue.py), fp8experts (FP8 routed experts: tests, tools/gpu/gpu_fp8_experts.py, flash4Lfp8 decode with and without DeepGEMM), logits (V4.1's head: tools/gpu/gpu_kernels.py --logits and its tests), fp8 (V4.1's FP8 projections at decode sizes: tools/gpu/gpu_fp8_linear.py and their tests; FP8_ARGS, e.g. "--rows 6 192"), mxfp4 (tools/gpu/gpu_mxfp4.py; MXFP4_TESTS narrows its tests; MXFP4_ARGS="--sweep --breakdown" adds tiles, K splits, kernels per call), v41profile (V4.1-Flash's batch-1 step, kernels by device time), flash and flashprev (flash4L decode at FLASH_BATCHES, this tree and .prev's), glue (tools/gpu/gpu_glue.py alone), b1 (batch 1 and 16 against HF only), profile (tools/profiling/profile_decode.py at batch 1 and 16), idle (idle share
 # between replayed decode steps, with and without asynchronous scheduling), small (batch 1 and 16 against
@@ -149,6 +149,13 @@ if has fp8; then  # V4.1's FP8 projections at decode sizes: their tests, then to
     timeout 240 python -m pytest -q -x tests/test_nvidia_fp8_linear.py 2>&1 | tee "$out/tests_fp8.txt" | tail -3
     PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu" timeout 300 python tools/gpu/gpu_fp8_linear.py ${FP8_PEER:+--peer $FP8_PEER} ${FP8_ARGS:-} 2>&1 | grep -v INFO \
         | tee "$out/fp8_linear.jsonl" | tail -1
+fi
+if has mhc; then  # a V4.1 sublayer's mHC input: its tests, then tools/gpu/gpu_mhc.py for this tree and .prev's (when carried)
+    stamp mhc
+    timeout 200 python -m pytest -q -x tests/test_nvidia_mhc.py 2>&1 | tee "$out/tests_mhc.txt" | tail -2
+    PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu" timeout 120 python tools/gpu/gpu_mhc.py 2>&1 | grep -v INFO | tee "$out/mhc.jsonl"
+    [[ -d .prev ]] && PYTHONPATH="$PWD/.prev:$PWD/.prev/backends/nvidia:$PWD/tools/gpu" timeout 120 python \
+        tools/gpu/gpu_mhc.py 2>&1 | grep -v INFO | tee "$out/mhc_prev.jsonl"
 fi
 if has mxfp4; then  # the MXFP4 experts' decode strategies against the reference, timed at V4.1-Flash shapes
     stamp mxfp4

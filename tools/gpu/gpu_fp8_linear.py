@@ -5,12 +5,13 @@ reference and timed, printed as JSON lines.
 
 Shapes: every FP8 projection of a V4.1-Flash layer (32 x 32 weight tiles, activations rounded in 1 x 32 blocks) at
 1, 16 and 64 rows (``--rows``: others, e.g. 6 and 192 for speculative verification, 2048 for a prefill). Each
-strategy (``STRATEGIES``) sets some of ``fp8_linear``'s switches; ``--peer`` also times another module's
+strategy (``STRATEGIES``) sets some of ``fp8_linear``'s switches; V4.1's grouped ``wo_a`` is timed last
+(``grouped_fp8_linear`` against cuBLAS's einsum on its bf16 copy); ``--peer`` also times another module's
 ``fp8_linear`` (say, the previous commit's file saved as ``deepinfer_nvidia/fp8_linear_previous.py`` for the run);
 cuBLAS's bf16 GEMM on the dequantized weight is timed as a reference for speed only. A CUDA graph of
 calls on distinct copies of the weight (over 256 MB in all: none is still in L2) is replayed and timed (median of
 do_bench), per call: no graph launch in the figure, as inside the engine's decode graph. The roofline reads the
-weight and its scales once at the measured copy rate.
+weight and its scales once at the H200's measured copy rate, or an H100's HBM3 peak.
 """
 
 from __future__ import annotations
@@ -83,6 +84,34 @@ def _per_call_us(call, x, copies) -> float:
     return triton.testing.do_bench(graph.replay, warmup=5, rep=40) * 1e3 / len(copies)
 
 
+def _copy_rate() -> float:
+    """Bytes a second the roofline reads at: the H200's measured copy rate, or an H100's HBM3 peak (its copy rate
+    was not measured)."""
+    return 3.35e12 if "H100" in torch.cuda.get_device_name() else HBM_COPY_BYTES_PER_S
+
+
+def grouped_wo_a(row_counts: tuple[int, ...]) -> None:
+    """V4.1-Flash's ``wo_a`` (8 head groups of 4096 columns onto 1024 rows each, FP8 in 32 x 32 tiles) through
+    ``grouped_fp8_linear`` against cuBLAS's bf16 einsum on the dequantized copy (what the engine ran before)."""
+    groups, rows_a_group, cols = 8, 1024, 4096
+    weight, scale = quantize_fp8(torch.randn(groups * rows_a_group, cols, device=DEVICE) * cols**-0.5, BLOCK, BLOCK)
+    dense = dequantize(weight, scale, torch.bfloat16).view(groups, rows_a_group, cols)
+    copies = [(weight.clone(), scale.clone()) for _ in range(max(4, STREAMED_BYTES // weight.numel()))]
+    dense_copies = [(dense.clone(), None) for _ in range(max(4, STREAMED_BYTES // (2 * dense.numel())))]
+    for rows in row_counts:
+        x = torch.randn(rows, groups, cols, dtype=torch.bfloat16, device=DEVICE)
+        expected = torch.einsum("tgc,grc->tgr", x.float(), dense.float())
+        got = module.grouped_fp8_linear(x, weight, scale).float()
+        print(json.dumps({"projection": "wo_a (grouped)", "rows": rows,
+                          "roofline_us": round((weight.numel() + scale.numel()) / _copy_rate() * 1e6, 1),
+                          "err_rel": float((got - expected).abs().max() / expected.abs().max()),
+                          "grouped_fp8_linear_us": round(_per_call_us(
+                              lambda x, w, s, b: module.grouped_fp8_linear(x, w, s), x, copies), 1),
+                          "cublas_bf16_einsum_us": round(_per_call_us(
+                              lambda x, w, s, b: torch.einsum("tgc,grc->tgr", x, w), x, dense_copies), 1)}),
+              flush=True)
+
+
 def main(peer: str | None, row_counts: tuple[int, ...], strategies: list[str]) -> None:
     torch.manual_seed(0)
     contenders = {name: (module.fp8_linear, STRATEGIES[name]) for name in strategies}
@@ -100,7 +129,7 @@ def main(peer: str | None, row_counts: tuple[int, ...], strategies: list[str]) -
             x = torch.randn(rows, cols, dtype=torch.bfloat16, device=DEVICE)
             expected = blockwise_linear(x.float(), weight, scale, BLOCK)
             row = {"projection": name, "shape": [out, cols], "rows": rows,
-                   "roofline_us": round(nbytes / HBM_COPY_BYTES_PER_S * 1e6, 1),
+                   "roofline_us": round(nbytes / _copy_rate() * 1e6, 1),
                    "cublas_bf16_us": round(_per_call_us(lambda x, w, s, b: x @ w.T, x, dense_copies), 1)}
             for contender, (call, switches) in contenders.items():
                 if (rows > 1 and contender in ONE_ROW_ONLY) or rows < MANY_ROWS_ONLY.get(contender, 0):
@@ -119,6 +148,7 @@ def main(peer: str | None, row_counts: tuple[int, ...], strategies: list[str]) -
     for attribute, value in defaults.items():
         setattr(_holder(attribute), attribute, value)
     print(json.dumps({"layer_totals_us": {f"{rows} rows, {c}": round(us, 1) for (rows, c), us in totals.items()}}))
+    grouped_wo_a(row_counts)
 
 
 if __name__ == "__main__":
