@@ -373,6 +373,18 @@ def test_grouped_projection_matches_the_dequantized_weight(tokens, groups, rows,
     assert counters_are_zero(x.device)
 
 
+def test_grouped_projection_in_batch_invariant_mode_expands_the_weight_at_every_row_count():
+    """Pinned tiles (batch-invariant mode): one row and many give the einsum on the expanded weight, the products
+    the batch-invariant plugin tiles, so a token's output does not depend on its batch."""
+    weight, scale = quantize_fp8(torch.randn(2 * 32, 96), 32, 32)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = _inputs(3, 2 * 96, seed=5, dtype=torch.bfloat16).view(3, 2, 96)
+    pinned = TritonLinear(pinned=True)
+    dense = dequantize(weight, scale, torch.bfloat16).view(2, 32, 96)
+    assert torch.equal(pinned.grouped_linear(x, weight, scale), torch.einsum("tgc,grc->tgr", x, dense))
+    assert torch.equal(pinned.grouped_linear(x[:1], weight, scale), torch.einsum("tgc,grc->tgr", x[:1], dense))
+
+
 def test_grouped_projection_reference_is_the_dequantized_einsum():
     """The torch backend's ``grouped_linear`` is what the model computed before ``wo_a`` stayed in FP8: the weight
     dequantized to the activations' dtype, then one einsum (so CPU outputs did not move)."""
