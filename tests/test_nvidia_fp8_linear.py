@@ -348,12 +348,14 @@ if CUDA:
 
 
 @pytest.mark.parametrize("tokens, groups, rows, cols, block", GROUPED_SHAPES)
-def test_grouped_projection_matches_the_dequantized_weight(tokens, groups, rows, cols, block):
+@pytest.mark.parametrize("few_rows", [False, True])
+def test_grouped_projection_matches_the_dequantized_weight(tokens, groups, rows, cols, block, few_rows, monkeypatch):
     """An FP8 ``wo_a``: each group's slice of the row times its rows of the weight, the activations unrounded (FP8
     rounding would be off by up to 2^-4), as the release's dequantized copy multiplies them: within fp32 summation
     order and one step of the bf16 output (the interpreter truncates), repeatable bit for bit."""
-    from deepinfer_nvidia import fp8_gemv
+    from deepinfer_nvidia import fp8_gemv, fp8_linear
 
+    monkeypatch.setattr(fp8_linear, "GROUPED_FEW_ROWS", few_rows)  # 2 to FEW_ROWS rows: the kernel or the expansion
     g = torch.Generator().manual_seed(groups * rows + cols)
     dense = torch.randn(groups * rows, cols, generator=g) * cols**-0.5
     dense[:, ::7] *= 1e-4  # under e4m3's smallest normal in their tiles

@@ -138,7 +138,8 @@ def test_single_pass_input_collapses_with_the_previous_pre(tokens, n, width, dty
 
 @pytest.mark.parametrize("tokens, width", [(1, 100), (2, 2100), (2, 5120)])
 def test_single_pass_input_in_one_launch_matches_two(tokens, width, monkeypatch):
-    """Up to ONE_LAUNCH_MAX_TOKENS tokens V4.1's sublayer input is one launch whose last-arriving split computes the
+    """Up to ONE_LAUNCH_MAX_TOKENS (off until timed; here ONE_LAUNCH_BUILT_FOR) tokens V4.1's sublayer input is one
+    launch whose last-arriving split computes the
     coefficients: the same collapse bit for bit and the same coefficients (to fp32 rounding: its splits reduce with
     the collapse's warps) as the two launches, its arrival counter back at zero, and a second call equal to the
     first. Batch-invariant mode keeps the two launches."""
@@ -151,6 +152,7 @@ def test_single_pass_input_in_one_launch_matches_two(tokens, width, monkeypatch)
     previous_pre = (torch.rand(tokens, n, generator=g) + 0.1).to(DEVICE)
     weight = torch.rand(width, generator=g).add(0.5).to(DEVICE)
     args = (streams, previous_pre, fn, base, scale, n, 20, 1e-6, 1e-6, weight, 1e-6)
+    monkeypatch.setattr(mhc, "ONE_LAUNCH_MAX_TOKENS", mhc.ONE_LAUNCH_BUILT_FOR)
     launches = []
     real = mhc._single_pass_input_kernel
     monkeypatch.setattr(mhc, "_single_pass_input_kernel", _Recorder(real, launches))

@@ -251,13 +251,18 @@ def _fp32_scales(scale: torch.Tensor) -> torch.Tensor:
     return cached
 
 
+# 2 to FEW_ROWS rows of the grouped wo_a through the few-rows kernel on bf16 tensor cores (UNROUNDED): built and
+# tested in Triton's interpreter; off (the expanded weight's einsum) until a GPU has run its tests and timed it
+GROUPED_FEW_ROWS = False
+
+
 def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pinned: bool = False
                        ) -> torch.Tensor:
     """``LinearBackend.grouped_linear`` for bf16 ``x`` [T, G, C] and an e4m3 ``weight`` [G R, C], the activations
-    unrounded and each program's rows reading their group's slice of them: one row through the GEMV, up to
-    ``FEW_ROWS`` through the few-rows kernel on bf16 tensor cores (a speculative verification step's rows, a decode
-    batch's), more through cuBLAS on the weight expanded to bf16 (the copy the release makes when it loads, here
-    made per call). ``pinned`` (batch-invariant mode): the expanded weight at every row count, its einsum tiled by
+    unrounded and each program's rows reading their group's slice of them: one row through the GEMV, with
+    ``GROUPED_FEW_ROWS`` up to ``FEW_ROWS`` through the few-rows kernel on bf16 tensor cores (a speculative
+    verification step's rows, a decode batch's), more through cuBLAS on the weight expanded to bf16 (the copy the
+    release makes when it loads, here made per call). ``pinned`` (batch-invariant mode): the expanded weight at every row count, its einsum tiled by
     the batch-invariant plugin as before ``wo_a`` stayed in FP8."""
     tokens, groups, cols = x.shape
     n = weight.shape[0]
@@ -265,7 +270,8 @@ def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     flat = x.reshape(tokens, groups * cols).contiguous()
     tile = fp8_gemv.gemv_tiles()["BN"] if tokens == 1 else _few_rows_tile_n()
     kernels_serve = tokens > 1 or fp8_gemv.gemv_serves(flat, weight, row_tile, column_tile)
-    if not pinned and tokens <= FEW_ROWS and (n // groups) % tile == 0 and kernels_serve:
+    if not pinned and (tokens == 1 or GROUPED_FEW_ROWS) and tokens <= FEW_ROWS and (n // groups) % tile == 0 \
+            and kernels_serve:
         y = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
         _few_rows_gemm(flat, weight, _fp32_scales(scale), row_tile, column_tile, y, groups, unrounded=True)
         return y.view(tokens, groups, n // groups)

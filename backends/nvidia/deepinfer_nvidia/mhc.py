@@ -234,8 +234,10 @@ def _collapse_inputs(streams: torch.Tensor, norm_weight: torch.Tensor | None):
 GEMM_TOKENS = 256  # from this many tokens on, a sublayer's projection onto fn multiplies tiles (_mix_tiles_kernel)
 # Up to this many tokens V4.1's sublayer input is one launch (_single_pass_input_kernel), whose last program computes
 # every token's coefficients in turn; from there one program a token computes them in a second launch. Not in
-# batch-invariant mode: the two paths reduce with different warp counts
-ONE_LAUNCH_MAX_TOKENS = 2
+# batch-invariant mode: the two paths reduce with different warp counts. Built for 2 and tested in Triton's
+# interpreter; 0 (off) until a GPU has run its tests and timed it
+ONE_LAUNCH_MAX_TOKENS = 0
+ONE_LAUNCH_BUILT_FOR = 2
 
 
 class TritonMHC:
