@@ -262,8 +262,8 @@ def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     unrounded and each program's rows reading their group's slice of them: one row through the GEMV, with
     ``GROUPED_FEW_ROWS`` up to ``FEW_ROWS`` through the few-rows kernel on bf16 tensor cores (a speculative
     verification step's rows, a decode batch's), more through cuBLAS on the weight expanded to bf16 (the copy the
-    release makes when it loads, here made per call). ``pinned`` (batch-invariant mode): the expanded weight at every row count, its einsum tiled by
-    the batch-invariant plugin as before ``wo_a`` stayed in FP8."""
+    release makes when it loads, here made per call). ``pinned`` (batch-invariant mode): the expanded weight at
+    every row count, its einsum tiled by the batch-invariant plugin as before ``wo_a`` stayed in FP8."""
     tokens, groups, cols = x.shape
     n = weight.shape[0]
     row_tile, column_tile = infer_block(n, scale.shape[0]), infer_block(cols, scale.shape[1])
