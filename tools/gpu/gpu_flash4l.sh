@@ -444,7 +444,9 @@ fi
 if has v41profile; then  # where V4.1's batch-1 decode step spends its device time: replayed graphs, kernels by device time
     python -m deepinfer.testing.flash_fixtures v41flash8L /tmp/v41flash8L >/dev/null
     stamp "profile v41flash8L b1"
-    timeout 300 "${py[@]}" tools/profiling/profile_decode.py /tmp/v41flash8L --dummy --graphs --steps 48 --top ${TOP:-40} --trace \
+    # dependent launch off unless V41_PROFILE_PDL=1: with it, each kernel's traced time holds part of the one before
+    DEEPINFER_DEPENDENT_LAUNCH=${V41_PROFILE_PDL:-0} timeout 300 "${py[@]}" tools/profiling/profile_decode.py \
+        /tmp/v41flash8L --dummy --graphs --steps 48 --top ${TOP:-40} --trace \
         --batch-size 1 2>&1 | grep -v INFO | tail -1 | tee "$out/v41_profile_b1.json"
 fi
 if has specprofile; then  # one batch's speculative steps at V4.1-Flash shapes under the profiler (SPEC_BATCH, SPEC_PROFILE_ARGS)
