@@ -16,12 +16,16 @@ def project(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, a
     return blockwise_linear(x.float(), weight, scale, activation_block)
 
 
+def grouped_product(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """Each group's slice of ``x`` [T, G, C] times its rows of a float ``dense`` [G R, C]: [T, G, R] (one einsum,
+    which batch-invariant mode tiles by rows)."""
+    return torch.einsum("tgc,grc->tgr", x, dense.view(x.shape[1], -1, dense.shape[-1]))
+
+
 def grouped_dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``LinearBackend.grouped_linear`` in torch: the weight dequantized to ``x``'s dtype, then each group's product
     (as the release computes ``wo_a`` from the copy it dequantizes when it loads)."""
-    groups = x.shape[1]
-    dense = dequantize(weight, scale, x.dtype)
-    return torch.einsum("tgc,grc->tgr", x, dense.view(groups, -1, dense.shape[-1]))
+    return grouped_product(x, dequantize(weight, scale, x.dtype))
 
 
 _UPCAST_ROWS = 1 << 13  # weight rows upcast at a time: an fp32 slab, never a whole head's fp32 copy

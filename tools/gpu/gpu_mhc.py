@@ -6,7 +6,7 @@ checked against the torch reference and timed, printed as JSON lines.
 Shapes: 4 streams of 5120 channels, fn [24, 20480] fp32, the input norm's weight, 20 Sinkhorn rounds; 1 and 64
 tokens. Run it with another tree's plugin first on the path (``PYTHONPATH=.prev/backends/nvidia:...``) for a peer
 in the same lease. A CUDA graph of calls on 16 distinct sets of weights (as a step's sublayers are) is replayed and
-timed (median of do_bench), per call, programmatic dependent launch as the engine runs it.
+timed (``gpu_kernels._graph_us``), per call, programmatic dependent launch as the engine runs it.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 
 import torch
-import triton.testing
 
 from deepinfer.plugins.builtin.torch_mhc import TorchMHC
 from deepinfer_nvidia import mhc
 from deepinfer_nvidia.mhc import TritonMHC
+from gpu_kernels import _graph_us
 
 DEVICE = torch.device("cuda")
 N, WIDTH, ITERS, SUBLAYERS = 4, 5120, 20, 16
@@ -40,15 +40,6 @@ def _call(backend, single_pass: bool, streams, previous_pre, fn, base, scale, no
     return backend.sublayer_input(streams, fn, base, scale, N, ITERS, EPS, EPS, norm, EPS)
 
 
-def _per_call_us(call) -> float:
-    call()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=40) * 1e3 / SUBLAYERS
-
-
 def main() -> None:
     generator = torch.Generator(DEVICE).manual_seed(0)
     layers = [_weights(generator) for _ in range(SUBLAYERS)]
@@ -61,7 +52,8 @@ def main() -> None:
             want = _call(reference, single_pass, streams, previous_pre, *layers[0])
             errors = [float((g.float() - w.float()).abs().max() / w.float().abs().max())
                       for g, w in zip(got, want) if g is not None]
-            us = _per_call_us(lambda: [_call(triton_mhc, single_pass, streams, previous_pre, *w) for w in layers])
+            graph_us = _graph_us(lambda: [_call(triton_mhc, single_pass, streams, previous_pre, *w) for w in layers])
+            us = graph_us / SUBLAYERS
             print(json.dumps({"call": "single_pass_input (V4.1)" if single_pass else "sublayer_input (V4)",
                               "tokens": tokens, "us": round(us, 2), "max_err_rel": max(errors),
                               "module": mhc.__file__}), flush=True)

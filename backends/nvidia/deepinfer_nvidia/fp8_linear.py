@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.runtime.ops import fp32_logits, grouped_dequantized_linear
+from deepinfer.runtime.ops import fp32_logits, grouped_dequantized_linear, grouped_product
 from deepinfer.runtime.quantization import blockwise_linear, infer_block
 from deepinfer.logger import init_logger, log_once
 from deepinfer_nvidia import INTERPRETED, fp8_bf16_gemm, fp8_gemv
@@ -268,15 +268,15 @@ def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     n = weight.shape[0]
     row_tile, column_tile = infer_block(n, scale.shape[0]), infer_block(cols, scale.shape[1])
     flat = x.reshape(tokens, groups * cols).contiguous()
-    tile = fp8_gemv.gemv_tiles()["BN"] if tokens == 1 else _few_rows_tile_n()
-    kernels_serve = tokens > 1 or fp8_gemv.gemv_serves(flat, weight, row_tile, column_tile)
-    if not pinned and (tokens == 1 or GROUPED_FEW_ROWS) and tokens <= FEW_ROWS and (n // groups) % tile == 0 \
-            and kernels_serve:
+    # a program's rows must lie in one group: whole tiles of the kernel's rows a group
+    one_row = (tokens == 1 and (n // groups) % fp8_gemv.gemv_tiles()["BN"] == 0
+               and fp8_gemv.gemv_serves(flat, weight, row_tile, column_tile))
+    few_rows = GROUPED_FEW_ROWS and 1 < tokens <= FEW_ROWS and (n // groups) % _few_rows_tile_n() == 0
+    if not pinned and (one_row or few_rows):
         y = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
         _few_rows_gemm(flat, weight, _fp32_scales(scale), row_tile, column_tile, y, groups, unrounded=True)
         return y.view(tokens, groups, n // groups)
-    dense = fp8_bf16_gemm.expanded_weight(weight, _fp32_scales(scale), row_tile, column_tile)
-    return torch.einsum("tgc,grc->tgr", x, dense.view(groups, -1, cols))
+    return grouped_product(x, fp8_bf16_gemm.expanded_weight(weight, _fp32_scales(scale), row_tile, column_tile))
 
 
 def deep_gemm_serves(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activation_block: int) -> bool:

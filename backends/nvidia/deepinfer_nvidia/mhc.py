@@ -16,8 +16,9 @@ import triton.language as tl
 
 from deepinfer_nvidia.dependent_launch import LAUNCH, wait_for_inputs
 from deepinfer_nvidia.mhc_weights import (BLOCK_K, BLOCK_T, _check_sinkhorn, _coefficients, _mhc_kernel,
-                                          _mhc_weights_kernel, _mix_buffers, _mix_partials, _splits, _store_mix,
-                                          _summed_logits, _token_partials, mix_input)
+                                          _mhc_weights_kernel, _mix_buffers, _mix_partials, _splits,
+                                          _store_coefficients, _store_mix, _summed_logits, _token_partials,
+                                          mix_input)
 from deepinfer_nvidia.split_k import arrival_counters
 
 
@@ -95,12 +96,12 @@ def _sublayer_input_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_p
     else:
         pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, token, splits, K, norm_eps, N,
                                          SPLITS_PAD)
-        pre, post, comb = _coefficients(pre, post, comb, hc_eps, N, ITERS)
         rows = token + tl.arange(0, 1)
-        _store_mix(post, comb, rows, rows < T, post_ptr, comb_ptr, N)
         if SINGLE_PASS:
-            tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=(rows < T)[:, None])
+            _store_coefficients(pre, post, comb, rows, rows < T, pre_ptr, post_ptr, comb_ptr, hc_eps, N, ITERS)
         else:
+            pre, post, comb = _coefficients(pre, post, comb, hc_eps, N, ITERS)
+            _store_mix(post, comb, rows, rows < T, post_ptr, comb_ptr, N)
             _collapse_row(streams_ptr, stride_st, stride_sn, token, tl.sum(pre, axis=0), weight_ptr, out_ptr,
                           stride_out, D, eps, N, BLOCK_D, NORM, ONE_PASS)
 
@@ -132,10 +133,9 @@ def _single_pass_input_kernel(streams_ptr, stride_st, stride_sn, flat_ptr, strid
                 if t < T:
                     pre, post, comb = _summed_logits(dots_ptr, squares_ptr, base_ptr, scale_ptr, t, SPLITS, K,
                                                      norm_eps, N, SPLITS_PAD)
-                    pre, post, comb = _coefficients(pre, post, comb, hc_eps, N, ITERS)
                     rows = t + tl.arange(0, 1)
-                    _store_mix(post, comb, rows, rows < T, post_ptr, comb_ptr, N)
-                    tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=(rows < T)[:, None])
+                    _store_coefficients(pre, post, comb, rows, rows < T, pre_ptr, post_ptr, comb_ptr, hc_eps, N,
+                                        ITERS)
             tl.atomic_xchg(arrivals_ptr, 0)
 
 

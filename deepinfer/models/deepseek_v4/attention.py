@@ -13,6 +13,7 @@ from torch import nn
 
 from deepinfer.runner.forward_batch import CompressedMeta, ForwardBatch
 from deepinfer.runtime.linear import Linear, SharedInput
+from deepinfer.runtime.ops import grouped_product
 from deepinfer.models.deepseek_v4.layers import RMSNorm, Rotary
 from deepinfer.plugins.interfaces import AttentionBackend
 
@@ -32,7 +33,7 @@ def grouped_output(o: torch.Tensor, wo_a: Linear, wo_b: Linear, groups: int) -> 
     if wo_a.scale is not None:
         mixed = wo_a.backend.grouped_linear(grouped, wo_a.weight, wo_a.scale)
     else:
-        mixed = torch.einsum("tgd,grd->tgr", grouped, wo_a.weight.view(groups, -1, grouped.shape[-1]))
+        mixed = grouped_product(grouped, wo_a.weight)
     return wo_b(mixed.flatten(1))
 
 
